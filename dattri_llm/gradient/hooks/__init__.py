@@ -1,0 +1,1 @@
+"""Re-exports (filled in as the modules land)."""

@@ -1,0 +1,464 @@
+"""Shared machinery of the attributors: gradient collection and the scoring loop.
+
+The scoring loop pairs every training block with every test block of two
+:class:`~dattri_llm.gradient.streaming.GradientSource` objects and calls the
+attributor's extension hooks (``transform_*_rep``, ``inner_product``,
+``inner_product_per_token``). Scores are float32 on CPU, ``(num_train_rows,
+num_test)``; columns are the distinct test identifiers in first-appearance
+order.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from dattri_llm.attribution.base import BaseInnerProductAttributor
+    from dattri_llm.gradient.gradient import Gradient
+    from dattri_llm.gradient.storage_manager import GradientStorageManager
+    from dattri_llm.gradient.streaming import GradientSource
+    from dattri_llm.utils.cache import CacheBudget
+
+LR_SCHEDULE_FILE = "lr_schedule.json"
+PARAM_GRAD_TYPE = "param_grad_layers"
+
+ScoreResult = tuple[torch.Tensor, list[str], list[int], list[str], "list[int] | None"]
+
+
+def normalize_layer_names(x: str | Iterable[str] | None) -> list[str] | None:
+    """``None`` → ``None``; a name → ``[name]``; an iterable → list of names (non-empty)."""
+    if x is None:
+        return None
+    if isinstance(x, str):
+        return [x]
+    names = list(x)
+    if not names:
+        raise ValueError("layer_name is empty; pass None to keep every layer")
+    bad = [name for name in names if not isinstance(name, str)]
+    if bad:
+        raise TypeError(f"layer names must be strings, got {bad}")
+    return names
+
+
+# ---------------------------------------------------------------------------- collection
+def collect_gradients(
+    streamer: Any,
+    store: GradientStorageManager,
+    *,
+    offload_interval: int = 1,
+    on_block: Callable[[int, Gradient, list[str]], None] | None = None,
+    async_write: bool | None = None,
+) -> GradientStorageManager:
+    """Enter ``streamer``, save every block into ``store`` and return the store.
+
+    Each block becomes one per-batch ``GradientRecord(step=label, input_hash=ids)``
+    stamped with the streamer's ``sample_id_key``; groups of
+    ``offload_interval`` records are written together (through an
+    ``AsyncGradientWriter`` when ``async_write``, default
+    ``args.async_disk_write``). ``on_block(step, grad, ids)`` sees each block
+    before it is saved.
+    """
+    from dattri_llm.gradient.async_writer import AsyncGradientWriter
+    from dattri_llm.gradient.gradient import GradientRecord
+
+    if offload_interval < 1:
+        raise ValueError(f"offload_interval must be >= 1, got {offload_interval}")
+    if async_write is None:
+        async_write = bool(streamer.args.async_disk_write)
+    sample_id_key = streamer.hook_manager.sample_id_key
+    writer = AsyncGradientWriter(store) if async_write else None
+    write = writer.submit if writer is not None else store.save_bulk
+    staged: list[GradientRecord] = []
+    try:
+        with streamer:
+            for step, grad, ids in streamer:
+                if on_block is not None:
+                    on_block(step, grad, ids)
+                staged.append(GradientRecord(step, list(ids), grad, sample_id_key))
+                if len(staged) >= offload_interval:
+                    write(staged)
+                    staged = []
+            if staged:
+                write(staged)
+    finally:
+        if writer is not None:
+            writer.close()
+    return store
+
+
+def write_lr_schedule(directory: str | Path, lrs: Mapping[int, float]) -> Path:
+    """Write ``{step: lr}`` as ``lr_schedule.json`` in ``directory``; return the file path."""
+    path = Path(directory) / LR_SCHEDULE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {str(int(step)): float(lr) for step, lr in sorted(lrs.items())}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def read_lr_schedule(directory: str | Path) -> dict[int, float] | None:
+    """Read ``lr_schedule.json`` from ``directory`` (``None`` when absent)."""
+    path = Path(directory) / LR_SCHEDULE_FILE
+    if not path.is_file():
+        return None
+    payload = json.loads(path.read_text(encoding="utf-8"))
+    return {int(step): float(lr) for step, lr in payload.items()}
+
+
+# ---------------------------------------------------------------------------- test-side layout
+def _prefers_dense(value: Any, layer_type: str) -> bool:
+    """Whether the cost rule prefers scoring a factorized test layer as a dense block."""
+    from dattri_llm.gradient.ops import dot as ops_dot
+    from dattri_llm.gradient.ops import types as ops_types
+
+    if ops_types.is_embedding(layer_type) or ops_types.is_norm(layer_type):
+        return False
+    batch, seq, k, d = ops_dot.effective_dims(value, layer_type)
+    return ops_dot.maybe_use_materialized_gram(batch, batch, seq, k, d)
+
+
+def finalize_factors(
+    rep: Gradient, *, budget: CacheBudget | int | None = None, held: int = 0
+) -> Gradient:
+    """Materialize the factorized layers of a held test ``rep`` that score cheaper dense.
+
+    A layer is materialized when the routing rule
+    (``ops.maybe_use_materialized_gram`` with equal batch sizes on both sides)
+    prefers the dense route and the dense block fits in ``budget`` (a
+    ``CacheBudget``, a byte cap, or ``None`` = 35 % of the free memory of the
+    rep's device) on top of ``held`` bytes already held. Other layers stay as
+    they are.
+    """
+    from dattri_llm.gradient.ops.materialize import materialize
+    from dattri_llm.utils.cache import CacheBudget
+
+    if budget is None:
+        budget = CacheBudget(rep.device)
+    elif isinstance(budget, int):
+        budget = CacheBudget(limit_bytes=budget)
+    held = held + rep.nbytes
+
+    def convert(name: str, value: Any, layer_type: str) -> Any:
+        nonlocal held
+        if rep.representation[name] != "factorized" or not _prefers_dense(value, layer_type):
+            return value
+        single = rep.select_layers([name])
+        extra = single.materialized_nbytes
+        if not budget.fits(extra, held):
+            return value
+        held += extra
+        return materialize(value, layer_type)
+
+    factorized = [n for n, kind in rep.representation.items() if kind == "factorized"]
+    if not factorized:
+        return rep
+    return rep.map_layers(convert, layers=factorized)
+
+
+def _preprocess_train_layers(rep: Gradient) -> Gradient:
+    """Preprocess raw linear/conv factors once into final factors (bias column, im2col)."""
+    from dattri_llm.gradient.gradient import Factorized
+    from dattri_llm.gradient.ops import types as ops_types
+    from dattri_llm.gradient.ops.preprocess import preprocess_factorized
+
+    names = [
+        name
+        for name, kind in rep.representation.items()
+        if kind == "factorized"
+        and rep.data[name].module_kwargs is not None
+        and rep.layer_types[name] != "nn.Bilinear"
+        and (ops_types.is_linear(rep.layer_types[name]) or ops_types.is_conv(rep.layer_types[name]))
+    ]
+    if not names:
+        return rep
+
+    def preprocess(_name: str, value: Any, layer_type: str) -> Any:
+        a, g = preprocess_factorized(value, layer_type)
+        return Factorized(a, g, module_kwargs=None)
+
+    return rep.map_layers(preprocess, layers=names)
+
+
+# ---------------------------------------------------------------------------- compatibility
+def _layer_signature(rep: Gradient, name: str) -> tuple:
+    """``(representation, final?, widths, dtype)`` of one layer, independent of B and T."""
+    from dattri_llm.gradient.ops import dot as ops_dot
+    from dattri_llm.gradient.ops import types as ops_types
+
+    value = rep.data[name]
+    layer_type = rep.layer_types[name]
+    if rep.representation[name] != "factorized":
+        return ("materialized", None, (value.shape[-1],), value.dtype)
+    final = value.module_kwargs is None
+    if ops_types.is_embedding(layer_type) and not final:
+        widths = (value.module_kwargs.get("num_embeddings"), value.pre_activation_grad.shape[-1])
+    else:
+        _, _, k, d = ops_dot.effective_dims(value, layer_type)
+        widths = (k, d)
+    return ("factorized", final, widths, value.pre_activation_grad.dtype)
+
+
+def _describe(signature: tuple) -> str:
+    kind, final, widths, dtype = signature
+    label = "final factors" if final else ("raw factors" if kind == "factorized" else "dense")
+    return f"{label} widths {widths} dtype {dtype}"
+
+
+def check_layer_compatibility(train: Gradient, test: Gradient, layers: Iterable[str]) -> None:
+    """Raise ``ValueError`` when a shared layer differs in width or dtype between the sides.
+
+    Layers in different representations (dense vs factorized) are left to
+    the kernels, which check the materialized widths.
+    """
+    for name in layers:
+        sig_train = _layer_signature(train, name)
+        sig_test = _layer_signature(test, name)
+        same_form = sig_train[:2] == sig_test[:2]
+        if (same_form and sig_train[2] != sig_test[2]) or sig_train[3] != sig_test[3]:
+            raise ValueError(
+                f"layer {name!r}: train gradients ({_describe(sig_train)}) and test gradients "
+                f"({_describe(sig_test)}) are incompatible; capture both sides from the same "
+                "model with the same hook config, projection (proj_dim, proj_seed) and dtype"
+            )
+
+
+def per_sample_layers(block: Gradient) -> list[str]:
+    """Layers of ``block`` that carry per-sample gradients (not batch-level ``param_grad``)."""
+    return sorted(n for n, t in block.layer_types.items() if t != PARAM_GRAD_TYPE)
+
+
+# ---------------------------------------------------------------------------- scoring loop
+class _TestColumns:
+    """Maps each test block's rows to score columns (first appearance wins)."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self._col: dict[str, int] = {}
+        self._plans: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
+
+    def plan(self, position: int, ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kept rows, their columns)`` of the test block at ``position`` in the pass."""
+        ids = [str(h) for h in ids]
+        if position < len(self._plans):
+            seen_ids, keep, cols = self._plans[position]
+            if seen_ids != ids:
+                raise ValueError(
+                    f"test block {position} changed between passes (loop_over_test needs a "
+                    "test source that yields the same samples in the same order every pass)"
+                )
+            return keep, cols
+        keep, cols = [], []
+        for row, h in enumerate(ids):
+            if h in self._col:
+                continue
+            self._col[h] = len(self.ids)
+            self.ids.append(h)
+            keep.append(row)
+            cols.append(self._col[h])
+        plan = (ids, torch.tensor(keep, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
+        self._plans.append(plan)
+        return plan[1], plan[2]
+
+
+class _LayerAudit:
+    """Tracks which layers were scored, to reject disjoint caches and warn on partial overlap."""
+
+    def __init__(self) -> None:
+        self.shared: set[str] = set()
+        self.train_only: set[str] = set()
+        self.test_only: set[str] = set()
+        self.train_seen: set[str] = set()
+        self.test_seen: set[str] = set()
+
+    def record(self, train_layers: set[str], test_layers: set[str]) -> list[str]:
+        shared = train_layers & test_layers
+        self.shared |= shared
+        self.train_seen |= train_layers
+        self.test_seen |= test_layers
+        return sorted(shared)
+
+    def finish(self) -> None:
+        if not self.shared:
+            raise ValueError(
+                "train and test gradients share no layer: train layers "
+                f"{sorted(self.train_seen)}, test layers {sorted(self.test_seen)}; capture both "
+                "sides with the same hook config or pass layer_name"
+            )
+        unshared = (self.train_seen ^ self.test_seen) - self.shared
+        if unshared:
+            warnings.warn(
+                f"layers {sorted(unshared)} were captured on only one side and do not "
+                "contribute to the scores",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def _drop_param_grad(block: Gradient) -> Gradient:
+    """Remove batch-level ``param_grad`` layers (no per-sample gradient) from ``block``."""
+    keep = per_sample_layers(block)
+    if len(keep) == len(block.layer_types):
+        return block
+    if not keep:
+        raise ValueError(
+            "a gradient block holds only param_grad (batch-level) layers, which carry no "
+            "per-sample gradient; capture layers with the linear_io hook family"
+        )
+    warnings.warn(
+        "param_grad layers are batch-level and were dropped from scoring: "
+        f"{sorted(set(block.layer_types) - set(keep))}",
+        UserWarning,
+        stacklevel=4,
+    )
+    return block.select_layers(keep)
+
+
+def _to_device(block: Gradient, device: torch.device) -> Gradient:
+    """``block`` on ``device`` (unchanged when already there)."""
+    return block if block.device == device else block.to(device=device)
+
+
+class _ScoringPass:
+    """One pass of the scoring loop over a train and a test source."""
+
+    def __init__(
+        self,
+        attributor: BaseInnerProductAttributor,
+        test_source: GradientSource,
+        *,
+        loop_over_test: bool,
+        transform_test: Callable[[Gradient], Gradient],
+        token_level: bool,
+    ) -> None:
+        self.attributor = attributor
+        self.test_source = test_source
+        self.loop_over_test = loop_over_test
+        self.transform_test = transform_test
+        self.token_level = token_level
+        self.device = torch.device(attributor.args.device)
+        self.columns = _TestColumns()
+        self.audit = _LayerAudit()
+        self.held_tests: list[tuple[Gradient, Gradient, torch.Tensor, torch.Tensor]] | None = None
+
+    def _prepared_tests(self) -> Iterator[tuple[Gradient, Gradient, torch.Tensor, torch.Tensor]]:
+        """Yield ``(raw block, transformed rep, kept rows, columns)`` for each test block."""
+        from dattri_llm.utils.cache import CacheBudget
+
+        budget = CacheBudget(self.device)
+        held = 0
+        for position, (_step, block, ids) in enumerate(self.test_source):
+            block = _to_device(_drop_param_grad(block), self.device)
+            keep, cols = self.columns.plan(position, ids)
+            rep = self.transform_test(block)
+            if not self.loop_over_test:
+                rep = finalize_factors(rep, budget=budget, held=held)
+                held += rep.nbytes
+            yield block, rep, keep, cols
+
+    def tests(self) -> Iterable[tuple[Gradient, Gradient, torch.Tensor, torch.Tensor]]:
+        """The test blocks for the next train block (held, or re-streamed)."""
+        if self.loop_over_test:
+            return self._prepared_tests()
+        if self.held_tests is None:
+            self.held_tests = list(self._prepared_tests())
+            if not self.held_tests:
+                raise ValueError("the test set is empty: the test source yielded no block")
+        return self.held_tests
+
+    def score_block(self, block: Gradient) -> tuple[torch.Tensor, int]:
+        """Scores of one raw train block against every test block: ``((rows, num_test), T)``."""
+        from dattri_llm.utils.cache import CacheBudget, TensorCache
+
+        block = _to_device(_drop_param_grad(block), self.device)
+        rep = _preprocess_train_layers(self.attributor.transform_train_rep(block))
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        tokens = 1
+        with TensorCache("memory", budget=CacheBudget(self.device)) as dense_cache:
+            for test_block, test_rep, keep, cols in self.tests():
+                layers = self.audit.record(set(block.layer_names), set(test_block.layer_names))
+                check_layer_compatibility(block, test_block, layers)
+                values = self._pair_scores(rep, test_rep, dense_cache)
+                tokens = values.shape[1] if self.token_level else 1
+                values = values.reshape(-1, values.shape[-1])
+                pieces.append((values[:, keep.to(values.device)], cols))
+        if not pieces:
+            raise ValueError("the test set is empty: the test source yielded no block")
+        rows = pieces[0][0].shape[0]
+        scores = torch.zeros(rows, len(self.columns.ids), dtype=torch.float32)
+        for values, cols in pieces:
+            scores[:, cols] = values.detach().to(device="cpu", dtype=torch.float32)
+        return scores, tokens
+
+    def _pair_scores(self, rep: Gradient, test_rep: Gradient, dense_cache: Any) -> torch.Tensor:
+        """``(B_tr, B_te)`` or, token-level, ``(B_tr, T, B_te)`` scores of one block pair."""
+        if self.token_level:
+            return self.attributor.inner_product_per_token(rep, test_rep)
+        return self.attributor.inner_product(rep, test_rep, dense_cache=dense_cache)
+
+
+def score_sources(
+    attributor: BaseInnerProductAttributor,
+    train_source: GradientSource,
+    test_source: GradientSource,
+    *,
+    loop_over_test: bool = False,
+    transform_test: Callable[[Gradient], Gradient] | None = None,
+    attribution_granularity: str = "instance",
+) -> ScoreResult:
+    """Score every train block of ``train_source`` against every test block.
+
+    Returns ``(scores, row_train_ids, row_steps, test_ids, row_token_ids)``;
+    ``scores`` is float32 CPU ``(num_rows, num_test)``. Dense train blocks are
+    re-batched to ``args.per_device_train_batch_size`` rows; test blocks are
+    transformed once and held unless ``loop_over_test`` (then the test source
+    is re-streamed per train block and must be ``reusable``). Token
+    granularity gives each train sample ``T`` consecutive rows (positions
+    ``0..T-1``).
+    """
+    from dattri_llm.attribution.base import ATTRIBUTION_GRANULARITIES
+    from dattri_llm.gradient.streaming import rebatch_blocks
+
+    if attribution_granularity not in ATTRIBUTION_GRANULARITIES:
+        raise ValueError(
+            f"attribution_granularity must be one of {ATTRIBUTION_GRANULARITIES}, got "
+            f"{attribution_granularity!r}"
+        )
+    if loop_over_test and not getattr(test_source, "reusable", False):
+        raise ValueError(
+            "loop_over_test re-streams the test source for every train block, but the test "
+            f"source {type(test_source).__name__} is not reusable"
+        )
+    scoring = _ScoringPass(
+        attributor,
+        test_source,
+        loop_over_test=loop_over_test,
+        transform_test=transform_test or attributor.transform_test_rep,
+        token_level=attribution_granularity == "token",
+    )
+    blocks: list[torch.Tensor] = []
+    row_ids: list[str] = []
+    row_steps: list[int] = []
+    row_tokens: list[int] | None = [] if scoring.token_level else None
+    batch_size = attributor.args.per_device_train_batch_size
+    train_iter = rebatch_blocks(train_source, batch_size)
+    for steps, block, ids in attributor.progress(train_iter, total=len(train_source)):
+        scores, tokens = scoring.score_block(block)
+        blocks.append(scores)
+        for step, sample in zip(steps, ids):
+            row_ids.extend([str(sample)] * tokens)
+            row_steps.extend([int(step)] * tokens)
+            if row_tokens is not None:
+                row_tokens.extend(range(tokens))
+    if not blocks:
+        raise ValueError("the training set is empty: the train source yielded no block")
+    scoring.audit.finish()
+    attributor.scored_layers = sorted(scoring.audit.shared)
+    matrix = torch.cat(blocks, dim=0)
+    return matrix, row_ids, row_steps, list(scoring.columns.ids), row_tokens

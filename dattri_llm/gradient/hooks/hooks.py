@@ -1,0 +1,770 @@
+"""Low-level hook registration: per-sample factor capture, parameter gradients, invasive forwards.
+
+``linear_io`` capture: a forward hook stores the layer input ``input[0]`` and
+registers a tensor hook on the layer output, which stores ``grad_output[0]``
+when the backward reaches it. Each backward is thereby paired with exactly the
+forward that produced it (the LIFO-per-device pairing of the contract, made
+exact); forwards whose output never receives a gradient stay pending and are
+discarded by the owner (gradient checkpointing recomputes, detached branches).
+
+Buffers (plain dicts, see :data:`LayerBuffer` / :data:`ParamGradBuffer`):
+
+* ``LayerBuffer`` of one layer: ``"layer_type"`` (declared or detected type),
+  ``"module_kwargs"``, ``"pending"`` (forward entries awaiting their backward)
+  and ``"captures"`` (list of :class:`Capture`, in backward order).
+* ``ParamGradBuffer`` of one layer: ``{param_name: batch-level grad or None}``.
+
+Hugging Face ``Conv1D`` is recognised lazily from ``sys.modules`` (a model
+that contains one has already imported it), so importing this module never
+imports ``transformers``; ``HF_Conv1D`` is resolved by the module
+``__getattr__``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = [
+    "HF_Conv1D",  # noqa: F822 (resolved lazily by __getattr__)
+    "LayerBuffer",
+    "ParamGradBuffer",
+    "install_invasive_forward",
+    "register_linear_io_hooks",
+    "register_linear_param_hooks",
+    "register_param_grad_hooks",
+    "remove_hooks",
+]
+
+LayerBuffer = dict
+ParamGradBuffer = dict
+
+_HF_CONV1D_MODULE = "transformers.pytorch_utils"
+
+
+def _hf_conv1d() -> type | None:
+    """HF ``Conv1D`` if ``transformers`` is already imported, else ``None`` (never imports it)."""
+    module = sys.modules.get(_HF_CONV1D_MODULE)
+    if module is None and "transformers" in sys.modules:
+        try:
+            module = importlib.import_module(_HF_CONV1D_MODULE)
+        except ImportError:
+            return None
+    return getattr(module, "Conv1D", None)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HF_Conv1D":
+        return _hf_conv1d()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --------------------------------------------------------------------------- capability
+
+
+def _torch_capable_classes() -> tuple[type, ...]:
+    classes: list[type] = [
+        nn.Embedding,
+        nn.EmbeddingBag,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.InstanceNorm1d,
+        nn.InstanceNorm2d,
+        nn.InstanceNorm3d,
+        nn.Linear,
+        nn.Bilinear,
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Conv3d,
+        nn.ConvTranspose1d,
+        nn.ConvTranspose2d,
+        nn.ConvTranspose3d,
+    ]
+    if hasattr(nn, "RMSNorm"):
+        classes.append(nn.RMSNorm)
+    return tuple(classes)
+
+
+_TORCH_CAPABLE = _torch_capable_classes()
+
+
+def is_linear_io_capable(module: nn.Module) -> bool:
+    """Whether ``module`` is an instance of a linear_io-capable class (never decided by name)."""
+    if isinstance(module, _TORCH_CAPABLE):
+        return True
+    conv1d = _hf_conv1d()
+    return conv1d is not None and isinstance(module, conv1d)
+
+
+def is_invasive_capable(module: nn.Module) -> bool:
+    """Whether ``module`` can take the invasive forward (exactly ``nn.Linear`` instances)."""
+    return isinstance(module, nn.Linear)
+
+
+def owns_trainable_params(module: nn.Module) -> bool:
+    """Whether ``module`` directly (``recurse=False``) owns a parameter with ``requires_grad``."""
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """``model.module`` for DataParallel / DDP / FSDP wrappers, else ``model``."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def detect_layer_type(module: nn.Module) -> str:
+    """Canonical type of ``module``: its own class name, or the nearest supported base class."""
+    from dattri_llm.gradient.ops.types import ALL_LAYER_TYPES, canonical_class_name
+
+    own = canonical_class_name(module)
+    if own in ALL_LAYER_TYPES:
+        return own
+    for cls in type(module).__mro__[1:]:
+        name = (
+            f"nn.{cls.__name__}"
+            if cls.__module__.startswith("torch.nn")
+            else (f"{cls.__module__}.{cls.__name__}")
+        )
+        if name in ALL_LAYER_TYPES:
+            return name
+    return own
+
+
+def _first_tensor(value: object) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                return item
+    return None
+
+
+# --------------------------------------------------------------------------- linear_io
+
+
+@dataclass
+class Capture:
+    """One matched forward/backward pair of a layer, already in its buffered form.
+
+    ``data`` is a ``Factorized`` (``representation == "factorized"``) or a dense
+    ``(B, d)`` tensor; ``seq`` orders forwards; ``device`` is the capture device
+    the pair ran on (DataParallel replicas differ).
+    """
+
+    seq: int
+    device: torch.device
+    data: Any
+    representation: str
+    layer_type: str
+    indexing: str
+
+
+class _Pending:
+    """A grad-enabled forward of a layer waiting for its backward (identity-compared)."""
+
+    __slots__ = ("activation", "collecting", "device", "seq")
+
+    def __init__(
+        self, seq: int, activation: torch.Tensor | None, device: torch.device, collecting: bool
+    ) -> None:
+        self.seq = seq
+        self.activation = activation
+        self.device = device
+        self.collecting = collecting
+
+
+_SEQ = itertools.count()
+
+
+def _always() -> bool:
+    return True
+
+
+def _is_integer(x: torch.Tensor) -> bool:
+    return not (x.is_floating_point() or x.is_complex())
+
+
+class LayerCapture:
+    """Forward/backward hook pair of one linear_io layer and the processing of its captures.
+
+    ``gate()`` says whether captures are buffered now (per-layer callbacks
+    fire regardless); ``on_forward(name)`` / ``on_backward(name)`` notify the
+    owner of buffered events; ``decisions`` (shared, reset by the owner per
+    step) fixes each layer's representation by its first capture.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        layer_type: str,
+        module_kwargs: dict,
+        *,
+        projection: dict | None,
+        capture_style: str,
+        projector: Any,
+        offload_to_cpu: bool,
+        batch_first: bool = True,
+        on_layer_forward: Callable[..., None] | None = None,
+        on_layer_backward: Callable[..., None] | None = None,
+        gate: Callable[[], bool] = _always,
+        on_forward: Callable[[str], None] | None = None,
+        on_backward: Callable[[str], None] | None = None,
+        lock: threading.RLock | None = None,
+        decisions: dict[str, bool] | None = None,
+    ) -> None:
+        from dattri_llm.gradient.ops.types import is_linear
+
+        self.name = name
+        self.layer_type = layer_type
+        self.module_kwargs = module_kwargs
+        self.projection = projection
+        self.capture_style = capture_style
+        self.projector = projector
+        self.offload_to_cpu = offload_to_cpu
+        self.batch_first = batch_first
+        self.on_layer_forward = on_layer_forward
+        self.on_layer_backward = on_layer_backward
+        self.gate = gate
+        self.on_forward = on_forward
+        self.on_backward = on_backward
+        self.lock = lock or threading.RLock()
+        self.decisions = {} if decisions is None else decisions
+        self.logra_at_forward = (
+            projection is not None
+            and projection.get("style", "logra") == "logra"
+            and is_linear(layer_type)
+        )
+        self.buffer: LayerBuffer = {
+            "layer_type": layer_type,
+            "module_kwargs": module_kwargs,
+            "pending": [],
+            "captures": [],
+        }
+
+    # ---- emitted view (what per-layer callbacks see)
+
+    @property
+    def emitted_type(self) -> str:
+        """Layer type given to per-layer callbacks (``"nn.Linear"`` for logra-projected linears)."""
+        return "nn.Linear" if self.logra_at_forward else self.layer_type
+
+    @property
+    def emitted_kwargs(self) -> dict | None:
+        """Module kwargs given to per-layer callbacks (``None`` for logra-projected linears)."""
+        return None if self.logra_at_forward else self.module_kwargs
+
+    def _proj_args(self) -> tuple[str, dict]:
+        proj = dict(self.projection or {})
+        style = proj.pop("style", "logra")
+        return style, proj
+
+    def _offload(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to("cpu") if self.offload_to_cpu else x
+
+    # ---- hooks
+
+    def forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        """Store ``input[0]`` and hook the output so its gradient pairs with this forward."""
+        if not torch.is_grad_enabled():
+            return
+        collecting = self.gate()
+        if not collecting and self.on_layer_forward is None:
+            return
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        out = _first_tensor(output)
+        if not isinstance(x, torch.Tensor):
+            return
+        a = x.detach()
+        if self.logra_at_forward:
+            a = self._project_activation(a)
+        a = self._offload(a)
+        if self.on_layer_forward is not None:
+            self.on_layer_forward(self.name, a, self.emitted_type, self.emitted_kwargs)
+        if out is None or not out.requires_grad:
+            return
+        entry = _Pending(next(_SEQ), a if collecting else None, x.device, collecting)
+        if collecting:
+            with self.lock:
+                self.buffer["pending"].append(entry)
+            if self.on_forward is not None:
+                self.on_forward(self.name)
+        out.register_hook(lambda grad: self._grad_hook(entry, grad))
+
+    def _grad_hook(self, entry: _Pending, grad: torch.Tensor) -> None:
+        g = grad.detach()
+        if self.logra_at_forward:
+            g = self._project_gradient(g)
+        g = self._offload(g)
+        if self.on_layer_backward is not None:
+            self.on_layer_backward(self.name, g, self.emitted_type, self.emitted_kwargs)
+        if not entry.collecting or not self.gate():
+            return
+        with self.lock:
+            pending = self.buffer["pending"]
+            index = next((i for i, e in enumerate(pending) if e is entry), None)
+            if index is None:
+                warnings.warn(
+                    f"Layer {self.name!r}: a backward arrived for a forward that is no longer "
+                    "pending (capture state was cleared in between); it is discarded.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return
+            pending.pop(index)
+            self.buffer["captures"].append(self._capture(entry, g))
+        if self.on_backward is not None:
+            self.on_backward(self.name)
+
+    # ---- processing
+
+    def _project_activation(self, a: torch.Tensor) -> torch.Tensor:
+        from dattri_llm.gradient.ops.projection import project_activation
+
+        _, proj = self._proj_args()
+        include_bias = proj.pop("include_bias", True)
+        return project_activation(
+            a, self.layer_type, self.projector, self.module_kwargs, include_bias, **proj
+        )
+
+    def _project_gradient(self, g: torch.Tensor) -> torch.Tensor:
+        from dattri_llm.gradient.ops.projection import project_gradient
+
+        _, proj = self._proj_args()
+        proj.pop("include_bias", None)
+        return project_gradient(g, self.layer_type, self.projector, self.module_kwargs, **proj)
+
+    def _decide(self, auto: Callable[[], bool]) -> bool:
+        """Whether to materialize; ``"auto"`` is decided once per layer and step."""
+        if self.capture_style != "auto":
+            return self.capture_style == "materialized"
+        if self.name not in self.decisions:
+            self.decisions[self.name] = auto()
+        return self.decisions[self.name]
+
+    def _capture(self, entry: _Pending, g: torch.Tensor) -> Capture:
+        from dattri_llm.gradient.gradient import Factorized
+
+        a = entry.activation
+        if self.batch_first and a.ndim == 1 and _is_integer(a):
+            a, g = a.unsqueeze(0), g.unsqueeze(0)  # unbatched (positional) ids: batch of 1
+        if self.logra_at_forward:
+            return self._final_factors(entry, Factorized(a, g, None, self.batch_first))
+        raw = Factorized(a, g, self.module_kwargs, self.batch_first)
+        if self.projection is not None:
+            return self._projected(entry, raw)
+        if self._decide(lambda: _auto_materialize(raw, self.layer_type)):
+            return self._dense(entry, _materialize(raw, self.layer_type))
+        indexing = "batch_token" if a.ndim >= 3 or _is_integer(a) else "batch"
+        return Capture(entry.seq, entry.device, raw, "factorized", self.layer_type, indexing)
+
+    def _final_factors(self, entry: _Pending, final: Any) -> Capture:
+        """Projected (``module_kwargs=None``) factors, kept or materialized per capture style."""
+        from dattri_llm.gradient.ops.projection import should_materialize
+
+        a = final.as_batch_first().activation
+        seq_len = a.shape[1] if a.ndim == 3 else 1
+        k_a, k_g = a.shape[-1], final.pre_activation_grad.shape[-1]
+        if self._decide(lambda: should_materialize("auto", seq_len, k_a, k_g)):
+            return self._dense(entry, _materialize(final, "nn.Linear"))
+        indexing = "batch_token" if seq_len > 1 else "batch"
+        return Capture(entry.seq, entry.device, final, "factorized", "nn.Linear", indexing)
+
+    def _projected(self, entry: _Pending, raw: Any) -> Capture:
+        from dattri_llm.gradient.gradient import Factorized
+        from dattri_llm.gradient.ops.projection import project_layer
+
+        style, proj = self._proj_args()
+        capture_style = self.capture_style
+        if capture_style == "auto" and self.name in self.decisions:
+            capture_style = "materialized" if self.decisions[self.name] else "factorized"
+        payload, is_factorized = project_layer(
+            raw, self.layer_type, self.projector, style=style, capture_style=capture_style, **proj
+        )
+        self.decisions.setdefault(self.name, not is_factorized)
+        if not is_factorized:
+            return self._dense(entry, payload)
+        a_p, g_p = payload
+        final = Factorized(a_p, g_p, None, True)
+        indexing = "batch_token" if a_p.ndim == 3 and a_p.shape[1] > 1 else "batch"
+        return Capture(entry.seq, entry.device, final, "factorized", "nn.Linear", indexing)
+
+    def _dense(self, entry: _Pending, dense: torch.Tensor) -> Capture:
+        return Capture(entry.seq, entry.device, dense, "materialized", self.layer_type, "batch")
+
+
+def _materialize(f: Any, layer_type: str) -> torch.Tensor:
+    from dattri_llm.gradient.ops.materialize import materialize
+
+    return materialize(f, layer_type)
+
+
+def _auto_materialize(f: Any, layer_type: str) -> bool:
+    """``"auto"`` capture rule for unprojected factors (embeddings always stay factorized)."""
+    from dattri_llm.gradient.ops.dot import effective_dims
+    from dattri_llm.gradient.ops.projection import should_materialize
+    from dattri_llm.gradient.ops.types import is_embedding
+
+    if is_embedding(layer_type):
+        return False
+    _, seq_len, k_in, k_out = effective_dims(f.as_batch_first(), layer_type)
+    return should_materialize("auto", seq_len, k_in + 1, k_out)
+
+
+def _frozen(module: nn.Module) -> bool:
+    return not owns_trainable_params(module)
+
+
+def _linear_io_layers(
+    root: nn.Module,
+    layer_names: Iterable[str] | None,
+    type_overrides: dict[str, str],
+    include_frozen: bool,
+) -> dict[str, nn.Module]:
+    modules = dict(root.named_modules())
+    if layer_names is None:
+        names = [n for n, m in modules.items() if is_linear_io_capable(m) or n in type_overrides]
+    else:
+        names = list(layer_names)
+    selected: dict[str, nn.Module] = {}
+    for name in names:
+        if name not in modules:
+            raise ValueError(f"Layer {name!r} is not a module of the model (named_modules()).")
+        module = modules[name]
+        if not is_linear_io_capable(module) and name not in type_overrides:
+            raise ValueError(
+                f"Layer {name!r} ({type(module).__name__}) is not linear_io-capable; declare "
+                "its type with type_overrides={name: '<layer type>'}."
+            )
+        if _frozen(module) and not include_frozen:
+            continue
+        selected[name] = module
+    return selected
+
+
+def register_linear_io_hooks(
+    model: nn.Module,
+    layer_names: Iterable[str] | None = None,
+    on_layer_forward: Callable[[str, torch.Tensor, str, dict | None], None] | None = None,
+    on_layer_backward: Callable[[str, torch.Tensor, str, dict | None], None] | None = None,
+    type_overrides: dict[str, str] | None = None,
+    kwargs_overrides: dict[str, dict] | None = None,
+    projection_kwargs: dict[str, dict] | None = None,
+    capture_style: str = "factorized",
+    projector: Callable | None = None,
+    offload_to_cpu: bool = False,
+    preconditioner: Callable | None = None,
+    include_frozen: bool = False,
+) -> tuple[dict[str, LayerBuffer], list]:
+    """Hook capable modules (or any named in ``type_overrides``) for factor capture.
+
+    Every grad-enabled forward of a hooked layer is buffered: ``buffers[name]
+    ["captures"]`` receives one :class:`Capture` per matched forward/backward
+    pair (raw ``Factorized``, projected factors, or a dense ``(B, d)`` tensor
+    per ``projection_kwargs`` / ``capture_style``). Callbacks are called as
+    ``fn(layer_name, tensor, layer_type, module_kwargs)``. Layers whose own
+    parameters are all frozen are skipped unless ``include_frozen``.
+    Returns ``(buffers, handles)``; release with :func:`remove_hooks`.
+    """
+    if preconditioner is not None:
+        raise NotImplementedError("preconditioned capture is not implemented yet")
+    captures, handles = attach_linear_io(
+        model,
+        layer_names,
+        type_overrides=type_overrides or {},
+        kwargs_overrides=kwargs_overrides or {},
+        projection_kwargs=projection_kwargs,
+        capture_style=capture_style,
+        projector=projector,
+        offload_to_cpu=offload_to_cpu,
+        include_frozen=include_frozen,
+        on_layer_forward=on_layer_forward,
+        on_layer_backward=on_layer_backward,
+    )
+    return {name: capture.buffer for name, capture in captures.items()}, handles
+
+
+def layer_projection(projection_kwargs: dict[str, dict] | None, name: str) -> dict | None:
+    """Projection settings of ``name``: its own entry, else ``"__default__"``, else ``None``."""
+    if not projection_kwargs:
+        return None
+    proj = projection_kwargs.get(name, projection_kwargs.get("__default__"))
+    return None if proj is None else dict(proj)
+
+
+def attach_linear_io(
+    model: nn.Module,
+    layer_names: Iterable[str] | None,
+    *,
+    type_overrides: dict[str, str],
+    kwargs_overrides: dict[str, dict],
+    projection_kwargs: dict[str, dict] | None,
+    capture_style: str,
+    projector: Callable | None,
+    offload_to_cpu: bool,
+    include_frozen: bool,
+    non_batch_first: frozenset[str] = frozenset(),
+    **capture_kwargs: Any,
+) -> tuple[dict[str, LayerCapture], list]:
+    """Build a :class:`LayerCapture` per selected layer and register its forward hook."""
+    from dattri_llm.gradient.ops.projection import DattriProjector
+    from dattri_llm.gradient.ops.types import is_norm
+
+    root = unwrap_model(model)
+    projector = DattriProjector.coerce(projector)
+    captures: dict[str, LayerCapture] = {}
+    handles: list = []
+    for name, module in _linear_io_layers(
+        root, layer_names, type_overrides, include_frozen
+    ).items():
+        layer_type = type_overrides.get(name) or detect_layer_type(module)
+        proj = layer_projection(projection_kwargs, name)
+        if proj is not None and proj.get("style", "logra") == "logra" and is_norm(layer_type):
+            raise ValueError(
+                f"Layer {name!r} is a normalization layer ({layer_type}); the 'logra' factor "
+                "projection is not defined for it. Use style 'dense' or 'mask' for this layer "
+                "in projection_kwargs."
+            )
+        capture = LayerCapture(
+            name,
+            layer_type,
+            _module_kwargs(name, module, layer_type, kwargs_overrides),
+            projection=proj,
+            capture_style=capture_style,
+            projector=projector,
+            offload_to_cpu=offload_to_cpu,
+            batch_first=name not in non_batch_first,
+            **capture_kwargs,
+        )
+        handles.append(module.register_forward_hook(capture.forward_hook, with_kwargs=True))
+        captures[name] = capture
+    return captures, handles
+
+
+def _module_kwargs(
+    name: str, module: nn.Module, layer_type: str, overrides: dict[str, dict]
+) -> dict:
+    from dattri_llm.gradient.ops.preprocess import extract_module_kwargs
+
+    if name in overrides:
+        return dict(overrides[name])
+    try:
+        return extract_module_kwargs(module, layer_type)
+    except (TypeError, ValueError) as err:
+        raise type(err)(
+            f"Layer {name!r}: cannot read the {layer_type} hyperparameters off "
+            f"{type(module).__name__} ({err}); pass module_kwargs={{{name!r}: ...}} built "
+            "with dattri_llm.utils.module."
+        ) from err
+
+
+# --------------------------------------------------------------------------- param_grad
+
+
+class ParamGradCapture:
+    """``Tensor.register_hook`` on each trainable parameter of the selected layers.
+
+    ``buffers[layer][param_name]`` holds the batch-level gradient of the
+    current backward (summed if a parameter's hook fires twice), ``None``
+    until it fires.
+    """
+
+    def __init__(
+        self,
+        on_param_grad: Callable[[str, str, torch.Tensor], None] | None,
+        offload_to_cpu: bool,
+        gate: Callable[[], bool] = _always,
+        on_backward: Callable[[str], None] | None = None,
+        lock: threading.RLock | None = None,
+    ) -> None:
+        self.on_param_grad = on_param_grad
+        self.offload_to_cpu = offload_to_cpu
+        self.gate = gate
+        self.on_backward = on_backward
+        self.lock = lock or threading.RLock()
+        self.buffers: dict[str, ParamGradBuffer] = {}
+
+    def attach(self, root: nn.Module, layer_names: Iterable[str] | None) -> list:
+        """Register the hooks on ``root``'s selected layers; returns the handles."""
+        modules = dict(root.named_modules())
+        names = (
+            [n for n, m in modules.items() if owns_trainable_params(m)]
+            if layer_names is None
+            else list(layer_names)
+        )
+        handles = []
+        for layer in names:
+            if layer not in modules:
+                raise ValueError(f"Layer {layer!r} is not a module of the model (named_modules()).")
+            params = [(n, p) for n, p in modules[layer].named_parameters(recurse=False)]
+            self.buffers[layer] = {n: None for n, p in params if p.requires_grad}
+            for pname, param in params:
+                if param.requires_grad:
+                    handles.append(param.register_hook(self._hook(layer, pname)))
+        return handles
+
+    def _hook(self, layer: str, pname: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            g = grad.detach()
+            if self.offload_to_cpu:
+                g = g.to("cpu")
+            if self.on_param_grad is not None:
+                self.on_param_grad(layer, pname, g)
+            if not self.gate():
+                return
+            with self.lock:
+                previous = self.buffers[layer][pname]
+                self.buffers[layer][pname] = g if previous is None else previous + g
+            if self.on_backward is not None:
+                self.on_backward(layer)
+
+        return hook
+
+
+def register_param_grad_hooks(
+    model: nn.Module,
+    layer_names: Iterable[str] | None = None,
+    on_param_grad: Callable[[str, str, torch.Tensor], None] | None = None,
+    offload_to_cpu: bool = False,
+) -> tuple[dict[str, ParamGradBuffer], list]:
+    """Batch-level gradient hooks on every trainable parameter the named layers own directly.
+
+    ``layer_names=None`` selects every module directly owning a trainable
+    parameter. Returns ``({layer: {param_name: Tensor | None}}, handles)``;
+    ``on_param_grad(layer_name, param_name, grad)`` is called on each fire
+    (under DDP the hook sees the local, pre-all-reduce gradient).
+    """
+    capture = ParamGradCapture(on_param_grad, offload_to_cpu)
+    handles = capture.attach(unwrap_model(model), layer_names)
+    return capture.buffers, handles
+
+
+def register_linear_param_hooks(
+    model: nn.Module,
+    layer_names: Iterable[str] | None = None,
+    on_linear_param_grad: Callable[[str, str, torch.Tensor], None] | None = None,
+) -> tuple[int, list]:
+    """Post-accumulate-grad hooks on the trainable parameters of linear_io-capable layers.
+
+    The callback receives ``(layer_name, param_name, param.grad.detach())``
+    once ``param.grad`` is populated. Returns ``(n_params, handles)``.
+    """
+    root = unwrap_model(model)
+    modules = dict(root.named_modules())
+    names = (
+        [n for n, m in modules.items() if is_linear_io_capable(m)]
+        if layer_names is None
+        else list(layer_names)
+    )
+    handles = []
+    for layer in names:
+        if layer not in modules:
+            raise ValueError(f"Layer {layer!r} is not a module of the model (named_modules()).")
+        for pname, param in modules[layer].named_parameters(recurse=False):
+            if param.requires_grad:
+                handles.append(
+                    param.register_post_accumulate_grad_hook(
+                        _post_accumulate(layer, pname, on_linear_param_grad)
+                    )
+                )
+    return len(handles), handles
+
+
+def _post_accumulate(
+    layer: str, pname: str, fn: Callable[[str, str, torch.Tensor], None] | None
+) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        if fn is not None:
+            fn(layer, pname, param.grad.detach())
+
+    return hook
+
+
+def remove_hooks(handles: list) -> None:
+    """Remove every handle (hook handles or zero-argument revert callables) and clear the list."""
+    for handle in handles:
+        if callable(handle) and not hasattr(handle, "remove"):
+            handle()
+        else:
+            handle.remove()
+    handles.clear()
+
+
+# --------------------------------------------------------------------------- invasive
+
+
+class _InputGradOnlyLinear(torch.autograd.Function):
+    """``F.linear`` whose backward returns only the input gradient (no weight/bias grads)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.input_dtype = x.dtype
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        (weight,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        grad_x = grad_out.matmul(weight.to(grad_out.dtype))
+        return grad_x.to(ctx.input_dtype), None, None
+
+
+def install_invasive_forward(
+    model: nn.Module, layer_names: set[str], should_intervene: Callable[[], bool]
+) -> list[Callable[[], None]]:
+    """Override the named ``nn.Linear`` instances' forward with the input-gradient-only op.
+
+    ``should_intervene()`` is consulted on every call; when it is false the
+    original forward runs. Returns one idempotent revert closure per layer.
+    A named layer that is not an ``nn.Linear`` → ``ValueError``.
+    """
+    modules = dict(unwrap_model(model).named_modules())
+    reverts = []
+    for name in sorted(layer_names):
+        module = modules.get(name)
+        if module is None or not is_invasive_capable(module):
+            kind = "missing" if module is None else type(module).__name__
+            raise ValueError(
+                f"invasive_linear_io needs nn.Linear layers; {name!r} is {kind}. "
+                "Use 'linear_io' for it instead."
+            )
+        reverts.append(_override_forward(module, should_intervene))
+    return reverts
+
+
+def _override_forward(
+    module: nn.Linear, should_intervene: Callable[[], bool]
+) -> Callable[[], None]:
+    previous = module.__dict__.get("forward")
+    original = previous if previous is not None else type(module).forward.__get__(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if should_intervene():
+            return _InputGradOnlyLinear.apply(x, module.weight, module.bias)
+        return original(x)
+
+    module.forward = forward
+
+    def revert() -> None:
+        if module.__dict__.get("forward") is not forward:
+            return
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+
+    return revert

@@ -1,0 +1,403 @@
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from store_helpers import (
+    KINDS,
+    assert_gradients_equal,
+    assert_records_equal,
+    dataset_rows,
+    make_gradient,
+    make_records,
+    sample_gradient,
+    shuffled_records,
+)
+
+import dattri_llm.gradient.storage_manager as sm
+from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
+from dattri_llm.gradient.storage_manager import (
+    DISK_FORMATS,
+    FORMAT_VERSION,
+    GradientStorageManager,
+    load_group_file,
+)
+from dattri_llm.utils.hashing import hash_sample
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+CASES = [(fmt, kind, per) for fmt in DISK_FORMATS for kind in KINDS for per in (False, True)]
+
+
+def run_python(code: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module")
+def written_stores(tmp_path_factory) -> Path:
+    """All format × kind × record-type stores, written by another Python process."""
+    root = tmp_path_factory.mktemp("stores")
+    run_python(
+        f"""
+        from dattri_llm.gradient.storage_manager import GradientStorageManager
+        from store_helpers import make_records
+        for fmt, kind, per in {CASES!r}:
+            store = GradientStorageManager(r"{root}/" + f"{{fmt}}_{{kind}}_{{per}}", disk_format=fmt)
+            for group in make_records(kind, per):
+                store.save_bulk(group)
+        """
+    )
+    return root
+
+
+def case_dir(root: Path, fmt: str, kind: str, per: bool) -> Path:
+    return root / f"{fmt}_{kind}_{per}"
+
+
+@pytest.mark.parametrize(("fmt", "kind", "per"), CASES)
+def test_round_trip_across_processes(written_stores, fmt, kind, per):
+    store = GradientStorageManager(case_dir(written_stores, fmt, kind, per))
+    groups = make_records(kind, per)
+    assert store.locations() == [
+        f"group_{k:08d}{'.mmap' if fmt == 'memmap' else '.pt'}" for k in range(3)
+    ]
+    for location, group in zip(store.locations(), groups):
+        loaded = store.load_records(location)
+        assert len(loaded) == len(group)
+        for got, want in zip(loaded, group):
+            assert_records_equal(got, want)
+    assert store.available_steps() == [0, 1, 2, 3, 4, 5]
+    assert store.sample_id_key is None
+    assert store.gradient_accumulation_steps == 1
+
+
+@pytest.mark.parametrize("fmt", DISK_FORMATS)
+def test_lookup_and_load_semantics(written_stores, fmt):
+    store = GradientStorageManager(case_dir(written_stores, fmt, "mixed", False))
+    groups = make_records("mixed", False)
+    record = groups[1][1]  # step 3, batch 3
+    assert store.lookup_by_hash("id3_2") == [(3, 2)]
+    assert store.index["id3_2"] == [
+        {"file": store.locations()[1], "idx": 1, "step": 3, "sample_idx": 2}
+    ]
+    one = store.load_sample_by_hash("id3_2", 3, 2)
+    assert one.batch_size == 1
+    assert_gradients_equal(one, record.gradient.slice("batch", 2))
+    [whole] = store.load_all_by_hash("id3_2")
+    assert_records_equal(whole, record)
+    with pytest.raises(KeyError, match=r"available \(step, sample_idx\): \[\(3, 2\)\]"):
+        store.load_sample_by_hash("id3_2", 3, 0)
+    with pytest.raises(KeyError, match="not in gradient store"):
+        store.lookup_by_hash("nope")
+    with pytest.raises(KeyError):
+        store.load_all_by_hash("nope")
+    assert store.iter_steps([5, 0, 1, 99]) == [
+        (store.locations()[0], {0: [0], 1: [1]}),
+        (store.locations()[2], {5: [1]}),
+    ]
+    assert store.iter_steps(2) == [(store.locations()[1], {2: [0]})]
+
+
+def test_per_sample_records_index(written_stores):
+    store = GradientStorageManager(case_dir(written_stores, "memmap", "dense", True))
+    assert store.lookup_by_hash("id1_2") == [(1, 0)]
+    entry = store.index["id1_2"][0]
+    assert (entry["idx"], entry["sample_idx"]) == (4, 0)  # group 0: 2 samples of step 0, then 3
+    want = make_records("dense", True)[0][4]
+    assert_gradients_equal(store.load_sample_by_hash("id1_2", 1, 0), want.gradient)
+
+
+def test_load_all_sorted_by_step_and_repeated_samples(tmp_path):
+    store = GradientStorageManager(tmp_path / "s")
+    for step in (4, 1, 7):
+        store.save_bulk([GradientRecord(step, ["a", "b"], make_gradient("dense", step, 2))])
+    store.save(GradientRecord(0, "a", make_gradient("dense", 9, 1)))
+    assert store.lookup_by_hash("a") == [(0, 0), (1, 0), (4, 0), (7, 0)]
+    assert [r.step for r in store.load_all_by_hash("a")] == [0, 1, 4, 7]
+    assert store.available_steps() == [0, 1, 4, 7]
+
+
+@pytest.mark.parametrize("fmt", DISK_FORMATS)
+def test_shuffled_order_gives_same_gradient_per_hash(tmp_path, fmt):
+    n = dataset_rows().shape[0]
+    order_a = list(range(n))
+    order_b = order_a[:]
+    random.Random(0).shuffle(order_b)
+    stores = []
+    for name, order, batch in (("a", order_a, 4), ("b", order_b, 3)):
+        store = GradientStorageManager(tmp_path / name, disk_format=fmt)
+        store.save_bulk(shuffled_records(order, batch))
+        stores.append(GradientStorageManager(tmp_path / name))
+    rows = dataset_rows()
+    for i in range(n):
+        h = hash_sample({"input_ids": rows[i]})
+        got = [s.load_sample_by_hash(h, *s.lookup_by_hash(h)[0]) for s in stores]
+        assert_gradients_equal(got[0], got[1])
+        assert_gradients_equal(got[0], sample_gradient(rows[i : i + 1]))
+        # lookup from the inputs themselves
+        assert stores[1].lookup({"input_ids": rows[i]}) == stores[1].lookup_by_hash(h)
+        assert_gradients_equal(
+            stores[1].load_sample({"input_ids": rows[i]}, *stores[1].lookup_by_hash(h)[0]), got[0]
+        )
+        assert len(stores[0].load_all({"input_ids": rows[i]})) == 1
+
+
+def test_memmap_reads_are_copy_on_write_views(tmp_path):
+    store = GradientStorageManager(tmp_path / "s")
+    location = store.save_bulk([GradientRecord(0, ["a", "b"], make_gradient("dense", 0, 2))])
+    first = store.load_records(location)[0].gradient.data["dense"]
+    before = first.clone()
+    first.add_(1)  # private copy-on-write page: the file is unchanged
+    again = store.load_records(location)[0].gradient.data["dense"]
+    assert torch.equal(again, before)
+
+
+def test_non_json_module_kwargs_fall_back_to_pickle(tmp_path):
+    g = Gradient(
+        {"lin": "factorized"},
+        {"lin": Factorized(torch.ones(2, 3), torch.ones(2, 4), {"dtype": torch.float16})},
+        {"lin": "nn.Linear"},
+    )
+    store = GradientStorageManager(tmp_path / "s")
+    location = store.save_bulk([GradientRecord(0, ["a", "b"], g)])
+    assert location.endswith(".pt")
+    [got] = GradientStorageManager(tmp_path / "s").load_records(location)
+    assert got.gradient.data["lin"].module_kwargs == {"dtype": torch.float16}
+
+
+def test_sample_id_key_lookups(tmp_path):
+    store = GradientStorageManager(tmp_path / "s")
+    store.save_bulk([GradientRecord(0, ["7", "8"], make_gradient("dense", 0, 2), "uid")])
+    reopened = GradientStorageManager(tmp_path / "s")
+    assert reopened.sample_id_key == "uid"
+    assert reopened.lookup({"uid": torch.tensor(8), "input_ids": torch.ones(3)}) == [(0, 1)]
+    assert reopened.lookup_by_hash(7) == [(0, 0)]
+    with pytest.raises(KeyError, match="sample_id_key='uid' is missing"):
+        reopened.lookup({"input_ids": torch.ones(3)})
+    positional = GradientStorageManager(tmp_path / "p")
+    positional.save_bulk([GradientRecord(0, ["x", "y"], make_gradient("dense", 0, 2), 1)])
+    assert positional.lookup({"_arg1": "y"}) == [(0, 1)]
+    assert positional.lookup(("ignored", "x")) == [(0, 0)]
+    with pytest.raises(KeyError, match="_arg1"):
+        positional.lookup({"_arg0": "x"})
+
+
+def test_rank_directories_are_merged(tmp_path, monkeypatch):
+    import dattri_llm.utils.distributed as dist
+
+    root = tmp_path / "s"
+    GradientStorageManager(root).save_bulk([GradientRecord(0, ["a"], make_gradient("dense", 0, 1))])
+    for rank in (1, 0):
+        monkeypatch.setattr(dist, "dist_rank", lambda rank=rank: rank)
+        store = GradientStorageManager(root)
+        assert store._write_dir is None  # resolved at the first save, not at construction
+        location = store.save_bulk(
+            [GradientRecord(10 + rank, [f"r{rank}"], make_gradient("dense", rank, 1))]
+        )
+        assert location == f"rank_{rank}/group_00000000.mmap"
+    monkeypatch.setattr(dist, "dist_rank", lambda: None)
+    merged = GradientStorageManager(root)
+    assert merged.locations() == [
+        "group_00000000.mmap",
+        "rank_0/group_00000000.mmap",
+        "rank_1/group_00000000.mmap",
+    ]
+    assert merged.available_steps() == [0, 10, 11]
+    assert_gradients_equal(
+        merged.load_sample_by_hash("r1", 11, 0), make_gradient("dense", 1, 1)
+    )
+
+
+def test_reopen_and_append_continues_numbering(tmp_path):
+    root = tmp_path / "s"
+    GradientStorageManager(root).save(GradientRecord(0, "a", make_gradient("dense", 0, 1)))
+    store = GradientStorageManager(root)
+    assert store.save(GradientRecord(1, "b", make_gradient("dense", 1, 1))) == "group_00000001.mmap"
+    assert GradientStorageManager(root).available_steps() == [0, 1]
+
+
+def test_sidecar_and_log_contents(tmp_path):
+    root = tmp_path / "s"
+    store = GradientStorageManager(root)
+    store.declare_gradient_accumulation_steps(3)
+    assert not root.exists()  # created on the first save
+    store.save_bulk([GradientRecord(5, ["a", "b"], make_gradient("dense", 0, 2))])
+    sidecar = json.loads((root / "store.json").read_text())
+    assert sidecar == {
+        "format_version": FORMAT_VERSION,
+        "sample_id_key": None,
+        "gradient_accumulation_steps": 3,
+    }
+    [line] = (root / "index.jsonl").read_text().splitlines()
+    assert json.loads(line) == {
+        "file": "group_00000000.mmap",
+        "records": [{"idx": 0, "step": 5, "ids": ["a", "b"]}],
+    }
+    assert GradientStorageManager(root).gradient_accumulation_steps == 3
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def test_save_dir_that_is_a_file(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="is an existing file"):
+        GradientStorageManager(path)
+
+
+def test_other_format_version_is_rejected(tmp_path, monkeypatch):
+    root = tmp_path / "s"
+    monkeypatch.setattr(sm, "FORMAT_VERSION", FORMAT_VERSION + 1)
+    location = GradientStorageManager(root).save(
+        GradientRecord(0, "a", make_gradient("dense", 0, 1))
+    )
+    monkeypatch.setattr(sm, "FORMAT_VERSION", FORMAT_VERSION)
+    with pytest.raises(ValueError, match=rf"store\.json.*version {FORMAT_VERSION + 1}.*version "):
+        GradientStorageManager(root)
+    group = root / location
+    with pytest.raises(ValueError, match=rf"{group.name}.*version {FORMAT_VERSION + 1}"):
+        load_group_file(group)
+
+
+def test_pickle_group_header_mismatch_is_detected(tmp_path):
+    store = GradientStorageManager(tmp_path / "s", disk_format="pickle")
+    location = store.save(GradientRecord(0, "a", make_gradient("dense", 0, 1)))
+    path = store.save_dir / location
+    payload = torch.load(path, weights_only=False)
+    payload["tensors"][0] = torch.zeros(2, 6)
+    torch.save(payload, path)
+    with pytest.raises(ValueError, match="layer 'dense'.*corrupt"):
+        store.load_records(location)
+
+
+def test_list_hash_must_match_batch_size(tmp_path):
+    store = GradientStorageManager(tmp_path / "s")
+    with pytest.raises(ValueError, match="2 identifiers but its gradient has batch size 3"):
+        store.save_bulk([GradientRecord(0, ["a", "b"], make_gradient("dense", 0, 3))])
+    assert store.index == {}
+
+
+def test_save_rejects_list_hash_and_empty_bulk(tmp_path):
+    store = GradientStorageManager(tmp_path / "s")
+    with pytest.raises(TypeError, match="save_bulk"):
+        store.save(GradientRecord(0, ["a"], make_gradient("dense", 0, 1)))
+    with pytest.raises(ValueError, match="no records"):
+        store.save_bulk([])
+
+
+def test_conflicting_sample_id_key(tmp_path):
+    root = tmp_path / "s"
+    store = GradientStorageManager(root)
+    with pytest.raises(ValueError, match="mix sample_id_key"):
+        store.save_bulk(
+            [
+                GradientRecord(0, "a", make_gradient("dense", 0, 1), "uid"),
+                GradientRecord(0, "b", make_gradient("dense", 0, 1)),
+            ]
+        )
+    store.save(GradientRecord(0, "a", make_gradient("dense", 0, 1)))
+    with pytest.raises(ValueError, match="sample_id_key=None.*sample_id_key='uid'"):
+        store.save(GradientRecord(1, "b", make_gradient("dense", 0, 1), "uid"))
+    with pytest.raises(ValueError, match="sample_id_key"):
+        GradientStorageManager(root).save(GradientRecord(1, "b", make_gradient("dense", 0, 1), 0))
+
+
+def test_gradient_accumulation_declarations(tmp_path):
+    root = tmp_path / "s"
+    store = GradientStorageManager(root)
+    assert store.gradient_accumulation_steps == 1
+    with pytest.raises(ValueError, match=">= 1"):
+        store.declare_gradient_accumulation_steps(0)
+    store.declare_gradient_accumulation_steps(2)
+    store.declare_gradient_accumulation_steps(2)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2; cannot declare 4"):
+        store.declare_gradient_accumulation_steps(4)
+    store.save(GradientRecord(0, "a", make_gradient("dense", 0, 1)))
+    with pytest.raises(ValueError, match="cannot declare 1"):
+        GradientStorageManager(root).declare_gradient_accumulation_steps(1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"residency": "ssd"}, "unknown residency 'ssd'"),
+        ({"disk_format": "npz"}, "unknown disk_format 'npz'"),
+        ({"budget_bytes": -1}, "budget_bytes"),
+    ],
+)
+def test_invalid_options(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GradientStorageManager(tmp_path, **kwargs)
+
+
+def test_unknown_location(tmp_path):
+    with pytest.raises(KeyError, match="no group 'group_9'"):
+        GradientStorageManager(tmp_path).load_records("group_9")
+
+
+# ---------------------------------------------------------------------------- RAM residencies
+
+
+def test_memory_residency(tmp_path):
+    (tmp_path / "index.jsonl").write_text("garbage that a memory store must ignore\n")
+    group = make_records("mixed", False)[0]
+    with GradientStorageManager(tmp_path, residency="memory") as store:
+        location = store.save_bulk(group)
+        assert location.startswith("mem_") and len(location) == len("mem_") + 8
+        assert store.resident_bytes == sum(r.gradient.nbytes for r in group)
+        loaded = store.load_records(location)
+        for got, want in zip(loaded, group):
+            assert_records_equal(got, want)
+        # blocks handed out are independent of the stored group
+        loaded[0].gradient.data.pop("dense")
+        assert "dense" in store.load_records(location)[0].gradient.data
+        assert sorted(os.listdir(tmp_path)) == ["index.jsonl"]  # nothing written
+    with pytest.raises(RuntimeError, match="closed"):
+        store.load_records(location)
+    store.close()  # idempotent
+
+
+def test_memory_budget_overflow_is_not_indexed(tmp_path):
+    records = [GradientRecord(0, ["a", "b"], make_gradient("dense", 0, 2))]
+    store = GradientStorageManager(tmp_path, residency="memory", budget_bytes=records[0].gradient.nbytes)
+    store.save_bulk(records)
+    with pytest.raises(MemoryError, match="budget"):
+        store.save_bulk([GradientRecord(1, ["c"], make_gradient("dense", 1, 1))])
+    assert "c" not in store.index and store.available_steps() == [0]
+
+
+@pytest.mark.parametrize("fmt", DISK_FORMATS)
+def test_tiered_residency_spills_oldest_and_cleans_up(tmp_path, fmt):
+    groups = make_records("factorized", False)
+    nbytes = sum(r.gradient.nbytes for r in groups[2])
+    root = tmp_path / "s"
+    store = GradientStorageManager(root, residency="tiered", budget_bytes=nbytes, disk_format=fmt)
+    locations = [store.save_bulk(g) for g in groups]
+    assert store.resident_bytes <= nbytes
+    spilled = [p for p in root.iterdir() if p.name.startswith(".spill_")]
+    assert len(spilled) == 1 and len(list(spilled[0].iterdir())) >= 2
+    for location, group in zip(locations, groups):
+        for got, want in zip(store.load_records(location), group):
+            assert_records_equal(got, want)
+    store.close()
+    assert not root.exists()  # created only for the spill
+
+
+def test_tiered_default_budget_is_half_available_ram(tmp_path, monkeypatch):
+    monkeypatch.setattr(sm, "available_host_bytes", lambda: 1000)
+    assert GradientStorageManager(tmp_path, residency="tiered").budget_bytes == 500

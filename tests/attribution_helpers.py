@@ -49,9 +49,7 @@ def mlp_data(n: int, seed: int, dtype: torch.dtype = torch.float32) -> tuple:
     return x, y
 
 
-def capture_factors(
-    model: nn.Module, layers: tuple[str, ...], loss_fn, batch: tuple
-) -> Gradient:
+def capture_factors(model: nn.Module, layers: tuple[str, ...], loss_fn, batch: tuple) -> Gradient:
     """Factorized per-sample gradient of ``loss_fn(model, batch)`` for the named modules."""
     modules = dict(model.named_modules())
     acts: dict[str, torch.Tensor] = {}
@@ -143,7 +141,14 @@ def write_store(
     """Capture ``data`` in batches of ``batch_sizes`` and save one group per two batches."""
     store = GradientStorageManager(str(path), residency=residency)
     append_store(
-        store, model, layers, loss_fn, data, batch_sizes=batch_sizes, step=step, order=order,
+        store,
+        model,
+        layers,
+        loss_fn,
+        data,
+        batch_sizes=batch_sizes,
+        step=step,
+        order=order,
         materialize=materialize,
     )
     return store

@@ -65,4 +65,3 @@ def flat_reference(ref: dict, param_prefix: str, layer_type: str, batch: int) ->
 def dense(gradient, name: str) -> torch.Tensor:
     """Materialized ``(B, d)`` payload of one layer of a captured ``Gradient``."""
     return materialize(gradient.data[name], gradient.layer_types[name])
-

@@ -27,7 +27,7 @@ def capture_factors(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def reference_grads(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-sample parameter gradients ``{name: (B, *shape)}`` of the same loss via ``vmap(grad)``."""
+    """Per-sample parameter gradients ``{name: (B, *shape)}`` of the same loss (``vmap(grad)``)."""
     out_shape = tuple(module(x[:1]).shape[1:])
     weights = loss_weights(out_shape, x.dtype if x.is_floating_point() else torch.float32)
 

@@ -174,3 +174,14 @@ def shuffled_records(order: list[int], batch_size: int) -> list[GradientRecord]:
         ids = hash_batch({"input_ids": batch})
         records.append(GradientRecord(step, ids, sample_gradient(batch)))
     return records
+
+
+# ----------------------------------------------------------------- crash-test groups
+
+CRASH_BATCH, CRASH_TOKENS = 16, 24
+
+
+def crash_record(step: int) -> GradientRecord:
+    """The deterministic record a crash-test writer saves at ``step`` (a few hundred KiB)."""
+    ids = [f"g{step}_{i}" for i in range(CRASH_BATCH)]
+    return GradientRecord(step, ids, make_gradient("mixed", step, CRASH_BATCH, CRASH_TOKENS))

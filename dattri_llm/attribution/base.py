@@ -495,8 +495,16 @@ class BaseInnerProductAttributor(BaseAttributor):
             train_dataset, checkpoint_step=k, enable_update=enable_update, hook_config=hook_config
         )
         layers = list(train.hook_manager.layer_names)
-        self.collect_gradients(train, train_store, on_block=on_train_block)
+        try:
+            self.collect_gradients(train, train_store, on_block=on_train_block)
+        finally:
+            self._forget_loaded_checkpoint(enable_update)
         return layers
+
+    def _forget_loaded_checkpoint(self, enable_update: bool) -> None:
+        """After an updating pass the weights left the checkpoint: force the next load."""
+        if enable_update and self.task is not None:
+            self.task.current_checkpoint_idx = None
 
     def attribute(
         self,
@@ -614,6 +622,7 @@ class BaseInnerProductAttributor(BaseAttributor):
                     )
         finally:
             self._verbose = False
+            self._forget_loaded_checkpoint(enable_update)
         return results, layers
 
     def _attribute_collected(

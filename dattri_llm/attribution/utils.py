@@ -115,13 +115,13 @@ def read_lr_schedule(directory: str | Path) -> dict[int, float] | None:
 # ---------------------------------------------------------------------------- test-side layout
 def _prefers_dense(value: Any, layer_type: str) -> bool:
     """Whether the cost rule prefers scoring a factorized test layer as a dense block."""
-    from dattri_llm.gradient.ops import dot as ops_dot
-    from dattri_llm.gradient.ops import types as ops_types
+    from dattri_llm.gradient.ops.dot import effective_dims, maybe_use_materialized_gram
+    from dattri_llm.gradient.ops.types import is_embedding, is_norm
 
-    if ops_types.is_embedding(layer_type) or ops_types.is_norm(layer_type):
+    if is_embedding(layer_type) or is_norm(layer_type):
         return False
-    batch, seq, k, d = ops_dot.effective_dims(value, layer_type)
-    return ops_dot.maybe_use_materialized_gram(batch, batch, seq, k, d)
+    batch, seq, k, d = effective_dims(value, layer_type)
+    return maybe_use_materialized_gram(batch, batch, seq, k, d)
 
 
 def finalize_factors(
@@ -165,8 +165,8 @@ def finalize_factors(
 def _preprocess_train_layers(rep: Gradient) -> Gradient:
     """Preprocess raw linear/conv factors once into final factors (bias column, im2col)."""
     from dattri_llm.gradient.gradient import Factorized
-    from dattri_llm.gradient.ops import types as ops_types
     from dattri_llm.gradient.ops.preprocess import preprocess_factorized
+    from dattri_llm.gradient.ops.types import is_conv, is_linear
 
     names = [
         name
@@ -174,7 +174,7 @@ def _preprocess_train_layers(rep: Gradient) -> Gradient:
         if kind == "factorized"
         and rep.data[name].module_kwargs is not None
         and rep.layer_types[name] != "nn.Bilinear"
-        and (ops_types.is_linear(rep.layer_types[name]) or ops_types.is_conv(rep.layer_types[name]))
+        and (is_linear(rep.layer_types[name]) or is_conv(rep.layer_types[name]))
     ]
     if not names:
         return rep
@@ -189,18 +189,18 @@ def _preprocess_train_layers(rep: Gradient) -> Gradient:
 # ---------------------------------------------------------------------------- compatibility
 def _layer_signature(rep: Gradient, name: str) -> tuple:
     """``(representation, final?, widths, dtype)`` of one layer, independent of B and T."""
-    from dattri_llm.gradient.ops import dot as ops_dot
-    from dattri_llm.gradient.ops import types as ops_types
+    from dattri_llm.gradient.ops.dot import effective_dims
+    from dattri_llm.gradient.ops.types import is_embedding
 
     value = rep.data[name]
     layer_type = rep.layer_types[name]
     if rep.representation[name] != "factorized":
         return ("materialized", None, (value.shape[-1],), value.dtype)
     final = value.module_kwargs is None
-    if ops_types.is_embedding(layer_type) and not final:
+    if is_embedding(layer_type) and not final:
         widths = (value.module_kwargs.get("num_embeddings"), value.pre_activation_grad.shape[-1])
     else:
-        _, _, k, d = ops_dot.effective_dims(value, layer_type)
+        _, _, k, d = effective_dims(value, layer_type)
         widths = (k, d)
     return ("factorized", final, widths, value.pre_activation_grad.dtype)
 
@@ -446,6 +446,8 @@ def score_sources(
     row_ids: list[str] = []
     row_steps: list[int] = []
     row_tokens: list[int] | None = [] if scoring.token_level else None
+    if not loop_over_test:
+        scoring.tests()  # queries are taken before the train source moves (θ_0 for trajectories)
     batch_size = attributor.args.per_device_train_batch_size
     train_iter = rebatch_blocks(train_source, batch_size)
     for steps, block, ids in attributor.progress(train_iter, total=len(train_source)):

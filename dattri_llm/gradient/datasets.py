@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GroupBlockDataset",
-    "block_plan",
     "concatenate_gradients",
     "group_blocks",
     "iter_gradient_blocks",
@@ -67,11 +66,6 @@ def resolve_steps(
             f"{file_manager.save_dir}; stored steps: {available}."
         )
     return chosen
-
-
-def block_plan(file_manager: GradientStorageManager, steps: Sequence[int]) -> StepPlan:
-    """``[(location, {step: record idxs})]`` of the groups holding ``steps`` (store order)."""
-    return file_manager.iter_steps(steps)
 
 
 def _is_param_grad(gradient: Gradient, name: str) -> bool:
@@ -153,7 +147,7 @@ def iter_gradient_blocks(
     layer_name: Sequence[str] | None = None,
 ) -> Iterator[Block]:
     """Blocks of a store in the calling thread (no prefetch, no layer-filter checks)."""
-    for location, step_idxs in block_plan(file_manager, resolve_steps(file_manager, steps)):
+    for location, step_idxs in file_manager.iter_steps(resolve_steps(file_manager, steps)):
         yield from group_blocks(file_manager.load_records(location), step_idxs, layer_name)
 
 

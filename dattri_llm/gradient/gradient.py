@@ -1162,8 +1162,8 @@ def _short_hash(input_hash: str | list[str]) -> str:
     def prefix(h: str) -> str:
         return h[:_HASH_PREFIX] + ("..." if len(h) > _HASH_PREFIX else "")
 
-    if isinstance(input_hash, str):
-        return prefix(input_hash)
+    if not isinstance(input_hash, (list, tuple)):
+        return prefix(str(input_hash))
     if not input_hash:
         return "[]"
     more = f"+{len(input_hash) - 1}" if len(input_hash) > 1 else ""

@@ -48,7 +48,15 @@ from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
 from dattri_llm.options import CacheResidency, DiskFormat
 from dattri_llm.utils.cache import CACHE_RESIDENCIES, TensorCache, available_host_bytes
 
-__all__ = ["DISK_FORMATS", "FORMAT_VERSION", "GradientStorageManager", "load_group_file"]
+__all__ = [
+    "DISK_FORMATS",
+    "FORMAT_VERSION",
+    "INDEX_FILE",
+    "SIDECAR_FILE",
+    "GradientStorageManager",
+    "load_group_file",
+    "write_group_file",
+]
 
 DISK_FORMATS = ("pickle", "memmap")
 FORMAT_VERSION = 1
@@ -168,9 +176,10 @@ class _GroupEncoder:
             }
             for name, value in gradient.data.items()
         ]
+        hashes = record.input_hash
         return {
-            "step": record.step,
-            "input_hash": record.input_hash,
+            "step": int(record.step),
+            "input_hash": str(hashes) if isinstance(hashes, str) else [str(h) for h in hashes],
             "sample_id_key": record.sample_id_key,
             "layers": layers,
         }
@@ -731,9 +740,7 @@ class GradientStorageManager:
         if not self._id_scheme_fixed:
             self._sample_id_key, self._id_scheme_fixed = key, True
         self._write_settings()  # sidecar before the first log line
-        name = f"group_{self._next_group:08d}"
-        self._next_group += 1
-        path = write_group_file(write_dir / name, records, self._disk_format)
+        path = write_group_file(self._claim_group_path(write_dir), records, self._disk_format)
         line = {
             "file": path.name,
             "records": [
@@ -746,6 +753,14 @@ class GradientStorageManager:
             fh.flush()
             os.fsync(fh.fileno())
         return self._write_prefix + path.name
+
+    def _claim_group_path(self, write_dir: Path) -> Path:
+        """Next unused ``group_<n>`` path (skipping files another manager of this dir wrote)."""
+        while True:
+            name = f"group_{self._next_group:08d}"
+            self._next_group += 1
+            if not any((write_dir / (name + suffix)).exists() for suffix in _SUFFIX.values()):
+                return write_dir / name
 
     def _write_ram_group(self, records: list[GradientRecord]) -> str:
         location = f"mem_{self._next_group:08d}"

@@ -17,8 +17,8 @@ from attribution_helpers import (
     write_store,
 )
 
-from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.ops.dot import layerwise_cross_dot
@@ -117,8 +117,13 @@ def test_independent_of_batch_size_and_loop(mlp_setup, tmp_path, batch_size, loo
     s = mlp_setup
     model, train = s["model"], s["train"]
     dense_store = write_store(
-        tmp_path / f"dense_{batch_size}", model, MLP_LAYERS, mlp_loss, train,
-        batch_sizes=[3, 2, 2], materialize=True,
+        tmp_path / f"dense_{batch_size}",
+        model,
+        MLP_LAYERS,
+        mlp_loss,
+        train,
+        batch_sizes=[3, 2, 2],
+        materialize=True,
     )
     args = make_args(tmp_path, per_device_train_batch_size=batch_size)
     expected = dense_gram(s["ref_train"], s["ref_test"])
@@ -134,8 +139,13 @@ def test_shuffled_store_permutes_rows(mlp_setup, tmp_path):
     s = mlp_setup
     order = torch.randperm(N_TRAIN, generator=torch.Generator().manual_seed(3))
     write_store(
-        tmp_path / "shuffled", s["model"], MLP_LAYERS, mlp_loss, s["train"],
-        batch_sizes=[4, 3], order=order,
+        tmp_path / "shuffled",
+        s["model"],
+        MLP_LAYERS,
+        mlp_loss,
+        s["train"],
+        batch_sizes=[4, 3],
+        order=order,
     )
     score = TracInAttributor(make_args(tmp_path)).attribute_from_cache(
         tmp_path / "shuffled", s["root"] / "test"
@@ -197,12 +207,22 @@ def test_two_checkpoint_ensemble_and_selected_steps(mlp_setup, tmp_path):
     pairs, expected = [], []
     for k, model in enumerate((model0, model1)):
         tr = write_store(
-            tmp_path / f"ckpt_{k}" / "train", model, MLP_LAYERS, mlp_loss, train,
-            batch_sizes=[7], step=k,
+            tmp_path / f"ckpt_{k}" / "train",
+            model,
+            MLP_LAYERS,
+            mlp_loss,
+            train,
+            batch_sizes=[7],
+            step=k,
         )
         te = write_store(
-            tmp_path / f"ckpt_{k}" / "test", model, MLP_LAYERS, mlp_loss, test,
-            batch_sizes=[3], step=k,
+            tmp_path / f"ckpt_{k}" / "test",
+            model,
+            MLP_LAYERS,
+            mlp_loss,
+            test,
+            batch_sizes=[3],
+            step=k,
         )
         pairs.append((tr, te))
         expected.append(
@@ -220,7 +240,10 @@ def test_two_checkpoint_ensemble_and_selected_steps(mlp_setup, tmp_path):
         torch.cat([single[0].scores, single[1].scores]),
         single[0].row_train_ids + single[1].row_train_ids,
         single[0].row_steps + single[1].row_steps,
-        single[0].test_ids, "TracIn", {}, None,
+        single[0].test_ids,
+        "TracIn",
+        {},
+        None,
     )
     ids, agnostic = combined.agnostic_matrix()
     check_close(agnostic, expected[0] + expected[1])
@@ -251,8 +274,13 @@ def test_sources_any_residency_and_disk_source(mlp_setup, tmp_path):
     s = mlp_setup
     args = make_args(tmp_path)
     mem = write_store(
-        tmp_path / "mem", s["model"], MLP_LAYERS, mlp_loss, s["train"],
-        batch_sizes=[7], residency="memory",
+        tmp_path / "mem",
+        s["model"],
+        MLP_LAYERS,
+        mlp_loss,
+        s["train"],
+        batch_sizes=[7],
+        residency="memory",
     )
     test_source = DiskGradientSource(GradientStorageManager(str(s["root"] / "test")), args)
     score = TracInAttributor(args).attribute_from_cache(mem, test_source)
@@ -268,7 +296,9 @@ def test_token_level_rows_sum_to_instance(mlp_setup, tmp_path):
             s["root"] / "train", s["root"] / "test", normalized_grad=normalized
         )
         tok = attributor.attribute_from_cache(
-            s["root"] / "train", s["root"] / "test", attribution_granularity="token",
+            s["root"] / "train",
+            s["root"] / "test",
+            attribution_granularity="token",
             normalized_grad=normalized,
         )
         assert tok.granularity == "token" and tok.num_rows == N_TRAIN * 3
@@ -280,15 +310,15 @@ def test_token_level_rows_sum_to_instance(mlp_setup, tmp_path):
         assert positions == [0, 1, 2]
         check_close(per.sum(0), inst.scores[1])
     # one token contribution by hand: fc2 layer, s_t = g_t^T R a_t with R the test gradient
-    train_block = capture_factors(
-        s["model"], ("fc2",), mlp_loss, tuple(t[:1] for t in s["train"])
-    )
+    train_block = capture_factors(s["model"], ("fc2",), mlp_loss, tuple(t[:1] for t in s["train"]))
     f = train_block.data["fc2"]
     r = s["ref_test"]["fc2"][0].reshape(3, 6)
     a = torch.cat([f.activation[0], torch.ones(3, 1)], dim=1)
     manual = torch.einsum("to,oi,ti->t", f.pre_activation_grad[0], r, a)
     only_fc2 = TracInAttributor(args).attribute_from_cache(
-        s["root"] / "train", s["root"] / "test", layer_name="fc2",
+        s["root"] / "train",
+        s["root"] / "test",
+        layer_name="fc2",
         attribution_granularity="token",
     )
     check_close(only_fc2.token_scores(s["train_ids"][0])[1][:, 0], manual)
@@ -377,7 +407,11 @@ def test_mismatched_factor_widths(mlp_setup, tmp_path):
     other.fc2 = torch.nn.Linear(5, 2)
     x, _ = s["test"]
     write_store(
-        tmp_path / "other", other, MLP_LAYERS, mlp_loss, (x, torch.randn(3, 3, 2)),
+        tmp_path / "other",
+        other,
+        MLP_LAYERS,
+        mlp_loss,
+        (x, torch.randn(3, 3, 2)),
         batch_sizes=[3],
     )
     with pytest.raises(ValueError, match=r"layer 'fc2'.*\(5, 3\).*\(5, 2\)"):
@@ -388,12 +422,83 @@ def test_mismatched_factor_widths(mlp_setup, tmp_path):
 
 def test_partial_layer_overlap_warns(mlp_setup, tmp_path):
     s = mlp_setup
-    write_store(
-        tmp_path / "fc2only", s["model"], ("fc2",), mlp_loss, s["test"], batch_sizes=[3]
-    )
+    write_store(tmp_path / "fc2only", s["model"], ("fc2",), mlp_loss, s["test"], batch_sizes=[3])
     with pytest.warns(UserWarning, match="fc1"):
         score = TracInAttributor(make_args(tmp_path)).attribute_from_cache(
             s["root"] / "train", tmp_path / "fc2only"
         )
     check_close(score.scores, dense_gram(s["ref_train"], s["ref_test"], ["fc2"]))
     assert score.layer_name == ["fc2"]
+
+
+def test_hook_manager_offload_store_matches_reference(mlp_setup, tmp_path):
+    """The examples.md pattern: capture with HookManager + OffloadCallback, score from disk."""
+    from dattri_llm.gradient.callbacks.offload_callback import OffloadCallback
+    from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
+    from dattri_llm.gradient.hooks.manager import HookManager
+    from dattri_llm.utils.hashing import hash_sample
+
+    s = mlp_setup
+    model = s["model"]
+    for name, (x, y), sizes in (("tr", s["train"], [4, 3]), ("te", s["test"], [3])):
+        store = GradientStorageManager(str(tmp_path / name))
+        offload = OffloadCallback(
+            offload_interval=4, file_manager=store, recording_type="per_sample"
+        )
+        manager = HookManager(
+            model, config=HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[offload]
+        )
+        with manager.collect(deregister_on_exit=True):
+            start = 0
+            for size in sizes:
+                model.zero_grad()
+                mlp_loss(model, (x[start : start + size], y[start : start + size])).backward()
+                start += size
+    score = TracInAttributor(make_args(tmp_path)).attribute_from_cache(
+        tmp_path / "tr", tmp_path / "te"
+    )
+    expected = dense_gram(s["ref_train"], s["ref_test"])
+    check_close(score.scores, expected)
+    h = hash_sample({"_arg0": s["train"][0][5]})
+    check_close(score.query([h]), expected[5:6])
+
+
+def test_tiny_gpt2_store_all_routes(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=97,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    gen = torch.Generator().manual_seed(5)
+    train = (torch.randint(0, 97, (4, 7), generator=gen),)
+    test = (torch.randint(0, 97, (2, 7), generator=gen),)
+
+    def loss(m, batch):
+        ids = batch[0]
+        return m(input_ids=ids, labels=ids).loss * len(ids)
+
+    layers = ("transformer.h.0.mlp.c_proj", "transformer.h.1.attn.c_attn", "transformer.h.0.ln_1")
+    write_store(tmp_path / "tr", model, layers, loss, train, batch_sizes=[3, 1])
+    write_store(tmp_path / "te", model, layers, loss, test, batch_sizes=[2])
+    expected = dense_gram(
+        dense_reference(model, layers, loss, train, layers[:2]),
+        dense_reference(model, layers, loss, test, layers[:2]),
+    )
+    args = make_args(tmp_path)
+    for route in ("factorized", "materialized", "auto"):
+        attributor = PinnedRoute(args)
+        attributor.route = route
+        score = attributor.attribute_from_cache(tmp_path / "tr", tmp_path / "te")
+        check_close(score.scores, expected, rtol=1e-4)
+    token = TracInAttributor(args).attribute_from_cache(
+        tmp_path / "tr", tmp_path / "te", attribution_granularity="token"
+    )
+    check_close(token.agnostic_matrix()[1], expected, rtol=1e-4)

@@ -36,7 +36,9 @@ CASES = [(fmt, kind, per) for fmt in DISK_FORMATS for kind in KINDS for per in (
 
 
 def run_python(code: str) -> None:
-    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR), str(TESTS_DIR / "gradient")])
+    )
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=env,
@@ -47,20 +49,18 @@ def run_python(code: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
+def write_all_cases(root: Path) -> None:
+    for fmt, kind, per in CASES:
+        store = GradientStorageManager(case_dir(root, fmt, kind, per), disk_format=fmt)
+        for group in make_records(kind, per):
+            store.save_bulk(group)
+
+
 @pytest.fixture(scope="module")
 def written_stores(tmp_path_factory) -> Path:
-    """All format × kind × record-type stores, written by another Python process."""
+    """All format × kind × record-type stores (written in this process)."""
     root = tmp_path_factory.mktemp("stores")
-    run_python(
-        f"""
-        from dattri_llm.gradient.storage_manager import GradientStorageManager
-        from store_helpers import make_records
-        for fmt, kind, per in {CASES!r}:
-            store = GradientStorageManager(r"{root}/" + f"{{fmt}}_{{kind}}_{{per}}", disk_format=fmt)
-            for group in make_records(kind, per):
-                store.save_bulk(group)
-        """
-    )
+    write_all_cases(root)
     return root
 
 
@@ -68,9 +68,8 @@ def case_dir(root: Path, fmt: str, kind: str, per: bool) -> Path:
     return root / f"{fmt}_{kind}_{per}"
 
 
-@pytest.mark.parametrize(("fmt", "kind", "per"), CASES)
-def test_round_trip_across_processes(written_stores, fmt, kind, per):
-    store = GradientStorageManager(case_dir(written_stores, fmt, kind, per))
+def check_round_trip(root: Path, fmt: str, kind: str, per: bool) -> None:
+    store = GradientStorageManager(case_dir(root, fmt, kind, per))
     groups = make_records(kind, per)
     assert store.locations() == [
         f"group_{k:08d}{'.mmap' if fmt == 'memmap' else '.pt'}" for k in range(3)
@@ -83,6 +82,24 @@ def test_round_trip_across_processes(written_stores, fmt, kind, per):
     assert store.available_steps() == [0, 1, 2, 3, 4, 5]
     assert store.sample_id_key is None
     assert store.gradient_accumulation_steps == 1
+
+
+@pytest.mark.parametrize(("fmt", "kind", "per"), CASES)
+def test_round_trip(written_stores, fmt, kind, per):
+    check_round_trip(written_stores, fmt, kind, per)
+
+
+@pytest.mark.slow
+def test_round_trip_across_processes(tmp_path):
+    run_python(
+        f"""
+        from pathlib import Path
+        from test_storage_manager import write_all_cases
+        write_all_cases(Path(r"{tmp_path}"))
+        """
+    )
+    for case in CASES:
+        check_round_trip(tmp_path, *case)
 
 
 @pytest.mark.parametrize("fmt", DISK_FORMATS)
@@ -217,9 +234,7 @@ def test_rank_directories_are_merged(tmp_path, monkeypatch):
         "rank_1/group_00000000.mmap",
     ]
     assert merged.available_steps() == [0, 10, 11]
-    assert_gradients_equal(
-        merged.load_sample_by_hash("r1", 11, 0), make_gradient("dense", 1, 1)
-    )
+    assert_gradients_equal(merged.load_sample_by_hash("r1", 11, 0), make_gradient("dense", 1, 1))
 
 
 def test_reopen_and_append_continues_numbering(tmp_path):
@@ -374,7 +389,9 @@ def test_memory_residency(tmp_path):
 
 def test_memory_budget_overflow_is_not_indexed(tmp_path):
     records = [GradientRecord(0, ["a", "b"], make_gradient("dense", 0, 2))]
-    store = GradientStorageManager(tmp_path, residency="memory", budget_bytes=records[0].gradient.nbytes)
+    store = GradientStorageManager(
+        tmp_path, residency="memory", budget_bytes=records[0].gradient.nbytes
+    )
     store.save_bulk(records)
     with pytest.raises(MemoryError, match="budget"):
         store.save_bulk([GradientRecord(1, ["c"], make_gradient("dense", 1, 1))])
@@ -401,3 +418,17 @@ def test_tiered_residency_spills_oldest_and_cleans_up(tmp_path, fmt):
 def test_tiered_default_budget_is_half_available_ram(tmp_path, monkeypatch):
     monkeypatch.setattr(sm, "available_host_bytes", lambda: 1000)
     assert GradientStorageManager(tmp_path, residency="tiered").budget_bytes == 500
+
+
+def test_two_managers_on_one_directory_never_overwrite(tmp_path):
+    first = GradientStorageManager(tmp_path / "s")
+    first.save(GradientRecord(0, "a", make_gradient("dense", 0, 1)))
+    second = GradientStorageManager(tmp_path / "s")
+    second.save(GradientRecord(1, "b", make_gradient("dense", 1, 1)))
+    first.save(GradientRecord(2, "c", make_gradient("dense", 2, 1)))
+    merged = GradientStorageManager(tmp_path / "s")
+    assert len(merged.locations()) == 3
+    for h, step in (("a", 0), ("b", 1), ("c", 2)):
+        assert_gradients_equal(
+            merged.load_sample_by_hash(h, step, 0), make_gradient("dense", step, 1)
+        )

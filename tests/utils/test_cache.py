@@ -284,3 +284,10 @@ def test_two_caches_sharing_a_spill_dir_do_not_collide(tmp_path):
     second.put("k", torch.ones(1))
     assert torch.equal(first.get("k"), torch.zeros(1))
     assert torch.equal(second.get("k"), torch.ones(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_budget_tracks_free_device_memory():
+    budget = CacheBudget("cuda", fraction=0.5)
+    free, _ = torch.cuda.mem_get_info()
+    assert budget.device.type == "cuda" and 0 < budget.total() <= free

@@ -44,4 +44,6 @@ def _free_port() -> int:
 
 def test_two_process_gloo_rank_world_size_all_reduce_and_barrier():
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    mp.spawn(distributed_worker, args=(2, init_method), nprocs=2, join=True)
+    mp.start_processes(
+        distributed_worker, args=(2, init_method), nprocs=2, join=True, start_method="fork"
+    )

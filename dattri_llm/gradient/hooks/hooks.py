@@ -82,7 +82,6 @@ def _torch_capable_classes() -> tuple[type, ...]:
         nn.InstanceNorm2d,
         nn.InstanceNorm3d,
         nn.Linear,
-        nn.Bilinear,
         nn.Conv1d,
         nn.Conv2d,
         nn.Conv3d,
@@ -96,6 +95,22 @@ def _torch_capable_classes() -> tuple[type, ...]:
 
 
 _TORCH_CAPABLE = _torch_capable_classes()
+
+
+def _refuse_inexact_embedding_bag(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Raise for EmbeddingBag calls whose gradient the captured ``(ids, g)`` cannot give exactly."""
+    if not isinstance(module, nn.EmbeddingBag):
+        return
+    offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
+    weights = args[2] if len(args) > 2 else kwargs.get("per_sample_weights")
+    if offsets is not None or weights is not None:
+        raise NotImplementedError(
+            f"Layer {name!r} (nn.EmbeddingBag) was called with "
+            f"{'offsets' if offsets is not None else 'per_sample_weights'}: its per-sample "
+            "gradient cannot be formed exactly from the captured input ids. Pad the bags to a "
+            "2-D (B, T) input with padding_idx and no per_sample_weights, or exclude the layer "
+            "(hook it as 'param_grad' or leave it out of the selectors)."
+        )
 
 
 def is_linear_io_capable(module: nn.Module) -> bool:
@@ -282,6 +297,7 @@ class LayerCapture:
         if not collecting and self.on_layer_forward is None:
             return
         x = args[0] if args else next(iter(kwargs.values()), None)
+        _refuse_inexact_embedding_bag(self.name, module, args, kwargs)
         out = _first_tensor(output)
         if not isinstance(x, torch.Tensor):
             return

@@ -510,7 +510,7 @@ def cross_gram_per_token(a1: Tensor, g1: Tensor, a2: Tensor, g2: Tensor, layer_t
     """
     family, a1, g1, a2, g2 = _checked_pair(a1, g1, a2, g2, layer_type, "cross_gram_per_token")
     if family == "norm":
-        return (a1 * g1).flip(1) @ _norm_materialize(a2, g2).T
+        return (a1 * g1) @ _norm_materialize(a2, g2).T
     if family == "embedding":
         return _embedding_per_token(a1, g1, a2, g2)
     b1, s1, k = a1.shape

@@ -90,7 +90,7 @@ def _shapes(a: torch.Tensor, g: torch.Tensor) -> str:
 
 
 def _check_tensors(a: object, g: object, layer_type: str) -> None:
-    """Type, rank ≥ 1 and equal-batch checks shared by every family."""
+    """Type and rank ≥ 1 checks shared by every family."""
     if not isinstance(a, torch.Tensor) or not isinstance(g, torch.Tensor):
         raise TypeError(
             f"{layer_type}: factors must be tensors, got a {type(a).__name__}, "
@@ -498,6 +498,11 @@ def preprocess_factors(
     _check_tensors(a, g, layer_type)
     if module_kwargs is None:
         return a, g
+    if not isinstance(module_kwargs, dict):
+        raise TypeError(
+            f"{layer_type}: module_kwargs must be a dict or None, got "
+            f"{type(module_kwargs).__name__}; use ops.extract_module_kwargs(module, layer_type)."
+        )
     a, g = dtypes.align(a, g)
     if layer_type == "nn.EmbeddingBag":
         return _preprocess_embedding_bag(a, g, module_kwargs, layer_type)

@@ -224,13 +224,14 @@ def random_project(
                 f"random_project: expected features (n, {d_in}), got {tuple(features.shape)}."
             )
         features = features.to(target)
+        used_columns = features.ne(0).any(dim=0).cpu()
         out = features.new_zeros(features.shape[0], proj_dim)
         for start in range(0, d_in, _BUILTIN_ROW_BLOCK):
             stop = min(start + _BUILTIN_ROW_BLOCK, d_in)
-            cols = features[:, start:stop]
-            if not bool(cols.any()):
+            if not bool(used_columns[start:stop].any()):
                 continue
-            out += cols @ rows_of(start, stop).to(device=target, dtype=features.dtype)
+            block = rows_of(start, stop).to(device=target, dtype=features.dtype)
+            out += features[:, start:stop] @ block
         return out
 
     return project
@@ -419,7 +420,9 @@ class DattriProjector:
         for start in range(0, d_in, chunk):
             rows = min(chunk, d_in - start)
             eye = torch.zeros(rows, d_in, dtype=torch.float32, device=device)
-            eye[torch.arange(rows), torch.arange(start, start + rows)] = 1.0
+            eye[
+                torch.arange(rows, device=device), torch.arange(start, start + rows, device=device)
+            ] = 1.0
             fn = factory(
                 eye, rows, proj_dim=proj_dim, proj_seed=proj_seed, device=device, **proj_kwargs
             )

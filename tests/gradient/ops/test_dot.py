@@ -8,12 +8,13 @@ float32 (1e-5, relative to the largest entry) and bfloat16 (relative Frobenius e
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from dot_helpers import CASE_IDS, assert_matches, cast, layer_case
 
 from dattri_llm.gradient.gradient import Factorized, Gradient
-from dattri_llm.gradient.ops import dot as dot_module
 from dattri_llm.gradient.ops.dot import (
     cross_dot,
     cross_dot_factors,
@@ -34,6 +35,8 @@ from dattri_llm.gradient.ops.dtypes import compute_dtype
 from dattri_llm.gradient.ops.preprocess import preprocess_factors
 from dattri_llm.utils.cache import TensorCache
 
+# the module itself (the ops package re-exports a function named ``dot``)
+dot_module = importlib.import_module("dattri_llm.gradient.ops.dot")
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 MODES = ["auto", "factorized", "materialized"]
 OUTER_CASES = [
@@ -60,26 +63,16 @@ def dense(case_id: str, k: int, include_bias: bool = True) -> torch.Tensor:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case_id", CASE_IDS)
-class TestAgainstReference:
-    def test_cross_dot(self, case_id, dtype, mode):
-        lt = layer_case(case_id).layer_type
-        for include_bias in (True, False):
-            got = cross_dot(
-                side(case_id, 0, dtype), side(case_id, 1, dtype), lt, include_bias, mode
-            )
-            assert_matches(
-                got, dense(case_id, 0, include_bias) @ dense(case_id, 1, include_bias).T, dtype
-            )
-
-    def test_pairwise_dot(self, case_id, dtype, mode):
-        lt = layer_case(case_id).layer_type
-        got = pairwise_dot(side(case_id, 0, dtype), lt, mode=mode)
-        assert_matches(got, dense(case_id, 0) @ dense(case_id, 0).T, dtype)
-
-    def test_grad_norm_sq(self, case_id, dtype, mode):
-        lt = layer_case(case_id).layer_type
-        got = grad_norm_sq(side(case_id, 0, dtype), lt, mode=mode)
-        assert_matches(got, dense(case_id, 0).square().sum(-1), dtype)
+def test_routed_kernels_match_reference(case_id, dtype, mode):
+    """cross_dot (bias folded or not), pairwise_dot and grad_norm_sq in every mode."""
+    lt = layer_case(case_id).layer_type
+    f1, f2 = side(case_id, 0, dtype), side(case_id, 1, dtype)
+    for include_bias in (True, False):
+        expected = dense(case_id, 0, include_bias) @ dense(case_id, 1, include_bias).T
+        assert_matches(cross_dot(f1, f2, lt, include_bias, mode), expected, dtype)
+    gram = dense(case_id, 0) @ dense(case_id, 0).T
+    assert_matches(pairwise_dot(f1, lt, mode=mode), gram, dtype)
+    assert_matches(grad_norm_sq(f1, lt, mode=mode), gram.diagonal(), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

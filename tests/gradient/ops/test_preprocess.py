@@ -368,6 +368,8 @@ def test_unknown_layer_type_lists_valid_names():
 def test_non_tensor_and_0d_factors():
     with pytest.raises(TypeError, match=r"nn\.Linear.*list"):
         preprocess_factors([1.0], _x(2, 3), "nn.Linear", {"has_bias": False})
+    with pytest.raises(TypeError, match=r"nn\.Linear.*module_kwargs.*tuple"):
+        preprocess_factors(_x(2, 3), _x(2, 3), "nn.Linear", (True,))
     with pytest.raises(ValueError, match=r"nn\.Linear.*batch axis"):
         preprocess_factors(torch.tensor(1.0), _x(2, 3), "nn.Linear", {"has_bias": False})
 

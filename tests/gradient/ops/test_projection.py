@@ -136,6 +136,7 @@ _DETERMINISM_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_same_seed_same_matrices_in_another_process(tmp_path):
     path = tmp_path / "matrices.pt"
     script = _DETERMINISM_SCRIPT.replace("PROJ_TYPES", repr(PROJ_TYPES))
@@ -558,3 +559,33 @@ def test_project_layer_styles_and_capture_styles():
         project_layer(f, layer_type, p, capture_style="lazy", proj_dim=2)
     with pytest.raises(ValueError, match="proj_dim"):
         project_layer(f, layer_type, p)
+
+
+# =========================================================================== CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_projection_matches_cpu():
+    p = DattriProjector(random_project)
+    kw = dict(proj_dim=6, proj_seed=2, dtype=torch.float32)
+    cpu = p.matrix(50, device="cpu", **kw)
+    gpu = p.matrix(50, device="cuda", **kw)
+    assert gpu.is_cuda
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-6, atol=1e-7)
+    x = _randn(3, 50)
+    out = p.apply(x, proj_dim=6, proj_seed=2, device="cuda")
+    assert out.is_cuda
+    torch.testing.assert_close(out.cpu(), x @ cpu, rtol=1e-4, atol=1e-5)
+    idx = p.mask_indices(100, proj_dim=7, proj_seed=1, device="cuda")
+    assert idx.is_cuda and torch.equal(
+        idx.cpu(), p.mask_indices(100, proj_dim=7, proj_seed=1, device="cpu")
+    )
+    a, g, layer_type, mk, ref = _case("conv2d_grouped")
+    got = mask_factors(a, g, layer_type, p, mk, proj_dim=9, device="cuda")
+    cpu_idx = p.mask_indices(ref.shape[1], proj_dim=9, proj_seed=0, device="cpu")
+    assert got.is_cuda
+    torch.testing.assert_close(got.cpu(), ref[:, cpu_idx], rtol=1e-4, atol=1e-5)
+    a_p, g_p = project_factors(a.cuda(), g.cuda(), layer_type, p, mk, proj_dim=3)
+    c_a, c_g = project_factors(a, g, layer_type, p, mk, proj_dim=3)
+    torch.testing.assert_close(a_p.cpu(), c_a, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(g_p.cpu(), c_g, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,634 @@
+"""Kronecker-factored (K-FAC / EK-FAC) and dense Fisher kernels.
+
+For a K-FAC-eligible layer (linear, conv, conv-transpose) the preprocessed
+factors (``preprocess.py``) give token rows ``a'_s : (K,)`` and ``g'_s : (D,)``
+whose per-sample gradient is ``dW_i = Σ_s g'_is a'_isᵀ``. K-FAC approximates the
+layer's Fisher by ``A ⊗ G`` with the token-row covariances ``A = Σ a'a'ᵀ / N``
+and ``G = Σ g'g'ᵀ / N``; ``A⁻¹`` acts on the activation index of ``dW`` and
+``G⁻¹`` on the output-gradient index (``G⁻¹·dW·A⁻¹`` in the ``(D, K)`` layout of
+linear/conv, ``A⁻¹·dW·G⁻¹`` in the ``(K, D)`` layout of conv-transpose).
+
+Grouped convolutions fold the groups into the token axis with ``g'`` zero
+outside the group's output channels (see ``preprocess.py``), so ``A`` mixes the
+patches of every group and ``G`` is block-diagonal over groups: K-FAC of a
+grouped conv is the shared-``A`` / block-diagonal-``G`` approximation.
+
+Rows whose ``g'`` is exactly zero (padding tokens) are dropped for the linear
+family; conv and conv-transpose keep every patch row. Covariances,
+eigendecompositions and inverses run in at least float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dattri_llm.gradient.ops import dtypes
+from dattri_llm.gradient.ops.materialize import materialize_factors
+from dattri_llm.gradient.ops.preprocess import check_layer_type, preprocess_factors, to_3d
+from dattri_llm.gradient.ops.types import (
+    is_conv,
+    is_conv_transpose,
+    is_embedding,
+    is_kfac_eligible,
+    is_norm,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from dattri_llm.gradient.gradient import Factorized, Gradient
+
+Tensor = torch.Tensor
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _floor_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """Compute dtype of curvature work: the policy's dtype, at least float32."""
+    return dtypes.resolve(*tensors, minimum=torch.float32)
+
+
+def _check_kfac_type(layer_type: str, fn: str) -> None:
+    """``NotImplementedError`` for norm/embedding types, ``ValueError`` for unknown ones."""
+    if is_norm(layer_type) or is_embedding(layer_type):
+        raise NotImplementedError(
+            f"{fn}: layer type {layer_type!r} has no Kronecker factorization (K-FAC covers "
+            "linear, conv and conv-transpose layers); use the dense Fisher (fim) instead."
+        )
+    check_layer_type(layer_type)
+    if not is_kfac_eligible(layer_type):
+        raise ValueError(f"{fn}: layer type {layer_type!r} is not K-FAC eligible.")
+
+
+def _keeps_zero_rows(layer_type: str) -> bool:
+    """Conv and conv-transpose keep zero-gradient patch rows; the linear family drops them."""
+    return is_conv(layer_type) or is_conv_transpose(layer_type)
+
+
+def _preprocessed_3d(
+    a: Tensor,
+    g: Tensor,
+    layer_type: str,
+    module_kwargs: dict | None,
+    include_bias: bool,
+) -> tuple[Tensor, Tensor]:
+    """Preprocessed factors as ``(B, S, K)``, ``(B, S, D)`` in the curvature dtype."""
+    a, g = preprocess_factors(a, g, layer_type, module_kwargs, include_bias)
+    a, g = to_3d(a), to_3d(g)
+    a = a.reshape(a.shape[0], -1, a.shape[-1])
+    g = g.reshape(g.shape[0], -1, g.shape[-1])
+    if a.shape[:2] != g.shape[:2]:
+        raise ValueError(
+            f"{layer_type}: preprocessed factors a {tuple(a.shape)} and g {tuple(g.shape)} "
+            "disagree on the batch/token axes; capture both factors of the same layer."
+        )
+    dtype = _floor_dtype(a, g)
+    return a.to(dtype), g.to(dtype)
+
+
+def kfac_rows(
+    a: Tensor,
+    g: Tensor,
+    layer_type: str,
+    module_kwargs: dict | None = None,
+    include_bias: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Token rows ``(N, K)``, ``(N, D)`` the K-FAC covariances are built from.
+
+    Preprocesses, flattens every position into a row and (linear family) drops
+    rows whose ``g`` is exactly zero. ``N`` may be 0.
+    """
+    _check_kfac_type(layer_type, "kfac_factors")
+    a, g = _preprocessed_3d(a, g, layer_type, module_kwargs, include_bias)
+    a_rows, g_rows = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+    if not _keeps_zero_rows(layer_type):
+        kept = g_rows.ne(0).any(dim=1)
+        a_rows, g_rows = a_rows[kept], g_rows[kept]
+    return a_rows, g_rows
+
+
+def kfac_factors(
+    a: Tensor,
+    g: Tensor,
+    layer_type: str,
+    module_kwargs: dict | None = None,
+    include_bias: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """K-FAC covariances ``A = a_fᵀa_f / N`` ``(K, K)`` and ``G = g_fᵀg_f / N`` ``(D, D)``.
+
+    Rows as :func:`kfac_rows`. Norm/embedding → ``NotImplementedError``; no row
+    left → ``ValueError``.
+    """
+    a_rows, g_rows = kfac_rows(a, g, layer_type, module_kwargs, include_bias)
+    n = a_rows.shape[0]
+    if n == 0:
+        raise ValueError(
+            f"kfac_factors({layer_type}): no token row carries a gradient (a {tuple(a.shape)}, "
+            f"g {tuple(g.shape)}: every g row is zero); pass a batch with non-padding tokens."
+        )
+    return a_rows.T @ a_rows / n, g_rows.T @ g_rows / n
+
+
+def kfac(f: Factorized, layer_type: str, include_bias: bool = True) -> tuple[Tensor, Tensor]:
+    """:func:`kfac_factors` of a ``Factorized``."""
+    f = f.as_batch_first()
+    return kfac_factors(
+        f.activation, f.pre_activation_grad, layer_type, f.module_kwargs, include_bias
+    )
+
+
+def fim_factors(
+    a: Tensor,
+    g: Tensor,
+    layer_type: str,
+    module_kwargs: dict | None = None,
+    include_bias: bool = True,
+) -> Tensor:
+    """Dense empirical Fisher ``MᵀM / B`` ``(d, d)`` of the materialized gradients ``M``."""
+    m = materialize_factors(a, g, layer_type, module_kwargs, include_bias)
+    m = m.to(_floor_dtype(m))
+    return m.T @ m / m.shape[0]
+
+
+def fim(f: Factorized, layer_type: str, include_bias: bool = True) -> Tensor:
+    """:func:`fim_factors` of a ``Factorized``."""
+    f = f.as_batch_first()
+    return fim_factors(
+        f.activation, f.pre_activation_grad, layer_type, f.module_kwargs, include_bias
+    )
+
+
+# --------------------------------------------------------------------------- damping / inverses
+
+
+def mean_eigenvalue(matrix: Tensor) -> float:
+    """Mean eigenvalue ``trace / size`` of a square matrix."""
+    return float(torch.diagonal(matrix).sum()) / matrix.shape[-1]
+
+
+def damping_for(matrix: Tensor, damping: float, relative: bool = False) -> float:
+    """Absolute damping: ``damping``, or ``damping · mean_eigenvalue(matrix)`` if ``relative``."""
+    return damping * mean_eigenvalue(matrix) if relative else float(damping)
+
+
+def _check_square(matrix: Tensor, fn: str) -> None:
+    if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"{fn}: expected a square (d, d) matrix, got {tuple(matrix.shape)}.")
+
+
+def _singular_error(fn: str, size: int, smallest: float, damping: float) -> ValueError:
+    return ValueError(
+        f"{fn}: the ({size}, {size}) curvature matrix is singular or not positive definite "
+        f"(smallest damped eigenvalue {smallest:.3e} with damping={damping}); use damping > 0 "
+        "(or relative_damping=True) or fit on more data."
+    )
+
+
+def _damped_spectrum(matrix: Tensor, damping: float, fn: str) -> tuple[Tensor, Tensor]:
+    """``(s + damping, U)`` of the symmetrised matrix; ``ValueError`` if not positive definite."""
+    _check_square(matrix, fn)
+    m = matrix.to(_floor_dtype(matrix))
+    s, u = torch.linalg.eigh((m + m.T) / 2)
+    s = s + damping
+    size = m.shape[0]
+    tol = size * torch.finfo(s.dtype).eps * max(float(s.abs().max()), 0.0) if size else 0.0
+    if not bool(torch.isfinite(s).all()) or (size and float(s.min()) <= tol):
+        raise _singular_error(fn, size, float(s.min()) if size else 0.0, damping)
+    return s, u
+
+
+def sym_inverse(matrix: Tensor, damping: float = 0.0) -> Tensor:
+    """``(M + damping·I)⁻¹`` of a symmetric matrix via ``eigh`` (at least float32).
+
+    Raises ``ValueError`` when the damped matrix is singular or indefinite
+    (eigenvalue ≤ ``size·eps·max|s|`` or non-finite).
+    """
+    s, u = _damped_spectrum(matrix, damping, "sym_inverse")
+    return (u / s) @ u.T
+
+
+def dense_inverse(matrix: Tensor, damping: float = 0.0) -> Tensor:
+    """``(M + damping·I)⁻¹`` via Cholesky, falling back to :func:`sym_inverse` if it fails."""
+    _check_square(matrix, "dense_inverse")
+    m = matrix.to(_floor_dtype(matrix))
+    m = (m + m.T) / 2 + damping * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
+    chol, info = torch.linalg.cholesky_ex(m)
+    if int(info) == 0:
+        inverse = torch.cholesky_inverse(chol)
+        if bool(torch.isfinite(inverse).all()):
+            return inverse
+    return sym_inverse(matrix, damping)
+
+
+# --------------------------------------------------------------------------- K-FAC
+
+
+def _check_inverse_widths(
+    a: Tensor, g: Tensor, a_inv: Tensor, g_inv: Tensor, layer_type: str, fn: str
+) -> None:
+    """``ValueError`` unless ``A⁻¹`` is ``(K, K)`` and ``G⁻¹`` is ``(D, D)`` for these factors."""
+    k, d = a.shape[-1], g.shape[-1]
+    if tuple(a_inv.shape) != (k, k) or tuple(g_inv.shape) != (d, d):
+        raise ValueError(
+            f"{fn}({layer_type}): preprocessed factors have widths K={k} (activation) and "
+            f"D={d} (output gradient) but A_inv is {tuple(a_inv.shape)} and G_inv is "
+            f"{tuple(g_inv.shape)}; the covariances were fit for another layer, projection "
+            "or include_bias setting — refit them on this capture."
+        )
+
+
+def kfac_precondition_factors(
+    a: Tensor,
+    g: Tensor,
+    layer_type: str,
+    a_inv: Tensor,
+    g_inv: Tensor,
+    module_kwargs: dict | None = None,
+    include_bias: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Whitened final factors ``(a'·A⁻¹, g'·G⁻¹)`` ``(B, S, K)``, ``(B, S, D)``."""
+    _check_kfac_type(layer_type, "kfac_precondition")
+    a, g = _preprocessed_3d(a, g, layer_type, module_kwargs, include_bias)
+    _check_inverse_widths(a, g, a_inv, g_inv, layer_type, "kfac_precondition")
+    return a @ a_inv.to(a), g @ g_inv.to(g)
+
+
+def kfac_precondition(
+    f: Factorized, layer_type: str, A_inv: Tensor, G_inv: Tensor, include_bias: bool = True
+) -> tuple[Tensor, Tensor]:
+    """``(a'·A⁻¹, g'·G⁻¹)`` of a ``Factorized`` (float32 or wider); ``G⁻¹·dW·A⁻¹`` factorized."""
+    f = f.as_batch_first()
+    return kfac_precondition_factors(
+        f.activation, f.pre_activation_grad, layer_type, A_inv, G_inv, f.module_kwargs,
+        include_bias,
+    )  # fmt: skip
+
+
+def kfac_cross_factors(
+    a1: Tensor,
+    g1: Tensor,
+    a2: Tensor,
+    g2: Tensor,
+    layer_type: str,
+    A_inv: Tensor,
+    G_inv: Tensor,
+    module_kwargs1: dict | None = None,
+    module_kwargs2: dict | None = None,
+    include_bias: bool = True,
+) -> Tensor:
+    """``K[i, j] = vec(dW1_i)ᵀ(A⁻¹⊗G⁻¹)vec(dW2_j)`` ``(B1, B2)``, whitening side 1."""
+    from dattri_llm.gradient.ops.dot import cross_gram
+
+    wa1, wg1 = kfac_precondition_factors(
+        a1, g1, layer_type, A_inv, G_inv, module_kwargs1, include_bias
+    )
+    a2, g2 = _preprocessed_3d(a2, g2, layer_type, module_kwargs2, include_bias)
+    return cross_gram(wa1, wg1, a2, g2, layer_type)
+
+
+def kfac_cross(
+    f1: Factorized,
+    f2: Factorized,
+    layer_type: str,
+    A_inv: Tensor,
+    G_inv: Tensor,
+    include_bias: bool = True,
+) -> Tensor:
+    """:func:`kfac_cross_factors` of two ``Factorized``."""
+    f1, f2 = f1.as_batch_first(), f2.as_batch_first()
+    return kfac_cross_factors(
+        f1.activation, f1.pre_activation_grad, f2.activation, f2.pre_activation_grad,
+        layer_type, A_inv, G_inv, f1.module_kwargs, f2.module_kwargs, include_bias,
+    )  # fmt: skip
+
+
+def kfac_precondition_materialized(block: Tensor, A_inv: Tensor, G_inv: Tensor) -> Tensor:
+    """``G⁻¹·dW·A⁻¹`` flattened ``(B, k_g·k_a)`` of dense rows laid out ``(k_g, k_a)``.
+
+    For a conv-transpose block (layout ``(K, D)``) pass the inverses swapped.
+    """
+    k_g, k_a = G_inv.shape[0], A_inv.shape[0]
+    rows = block.reshape(block.shape[0], -1)
+    if rows.shape[1] != k_g * k_a:
+        raise ValueError(
+            f"kfac_precondition_materialized: dense rows {tuple(rows.shape)} cannot be viewed as "
+            f"(k_g={k_g}, k_a={k_a}) from G_inv {tuple(G_inv.shape)} and A_inv "
+            f"{tuple(A_inv.shape)}; the covariances belong to another layer or projection."
+        )
+    dtype = _floor_dtype(rows, A_inv, G_inv)
+    dw = rows.to(dtype).reshape(-1, k_g, k_a)
+    return (G_inv.to(dtype) @ dw @ A_inv.to(dtype)).reshape(rows.shape[0], -1)
+
+
+# --------------------------------------------------------------------------- EK-FAC
+
+
+def kfac_eigh(A: Tensor, G: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Eigendecompositions ``(s_A, U_A, s_G, U_G)`` of the symmetrised covariances."""
+    a = A.to(_floor_dtype(A))
+    g = G.to(_floor_dtype(G))
+    s_a, u_a = torch.linalg.eigh((a + a.T) / 2)
+    s_g, u_g = torch.linalg.eigh((g + g.T) / 2)
+    return s_a, u_a, s_g, u_g
+
+
+def ekfac_materialize_factors(
+    a: Tensor,
+    g: Tensor,
+    layer_type: str,
+    U_A: Tensor,
+    U_G: Tensor,
+    module_kwargs: dict | None = None,
+    include_bias: bool = True,
+) -> Tensor:
+    """Eigenbasis coordinates ``vec(U_Gᵀ·dW·U_A)`` ``(B, D·K)`` (rotate factors, then materialize).
+
+    Conv-transpose: ``vec(U_Aᵀ·dW·U_G)`` in its ``(K, D)`` layout.
+    """
+    _check_kfac_type(layer_type, "ekfac_materialize")
+    a, g = _preprocessed_3d(a, g, layer_type, module_kwargs, include_bias)
+    _check_inverse_widths(a, g, U_A, U_G, layer_type, "ekfac_materialize")
+    return materialize_factors(a @ U_A.to(a), g @ U_G.to(g), layer_type)
+
+
+def ekfac_materialize(
+    f: Factorized | Tensor,
+    layer_type: str,
+    U_A: Tensor,
+    U_G: Tensor,
+    include_bias: bool = True,
+) -> Tensor:
+    """Eigenbasis coordinates of a ``Factorized`` or a dense ``(B, d)`` block.
+
+    Dense linear/conv rows are viewed ``(d_out, d_in)`` → ``U_Gᵀ·dW·U_A``;
+    conv-transpose rows ``(C_in, P)`` → ``U_Aᵀ·dW·U_G``.
+    """
+    if not isinstance(f, torch.Tensor):
+        f = f.as_batch_first()
+        return ekfac_materialize_factors(
+            f.activation, f.pre_activation_grad, layer_type, U_A, U_G, f.module_kwargs,
+            include_bias,
+        )  # fmt: skip
+    _check_kfac_type(layer_type, "ekfac_materialize")
+    left, right = (U_A, U_G) if is_conv_transpose(layer_type) else (U_G, U_A)
+    rows = f.reshape(f.shape[0], -1)
+    if rows.shape[1] != left.shape[0] * right.shape[0]:
+        raise ValueError(
+            f"ekfac_materialize({layer_type}): dense rows {tuple(rows.shape)} do not match the "
+            f"eigenbases U_A {tuple(U_A.shape)} and U_G {tuple(U_G.shape)}; the covariances "
+            "belong to another layer or projection."
+        )
+    dtype = _floor_dtype(rows, U_A, U_G)
+    dw = rows.to(dtype).reshape(-1, left.shape[0], right.shape[0])
+    return (left.to(dtype).T @ dw @ right.to(dtype)).reshape(rows.shape[0], -1)
+
+
+def ekfac_precondition(M: Tensor, U_A: Tensor, U_G: Tensor, lam: Tensor, layer_type: str) -> Tensor:
+    """Divide eigen-coordinates ``M : (B, D)`` by ``lam`` and rotate back ``(B, D)``.
+
+    ``U_G (M/lam) U_Aᵀ`` for linear/conv, ``U_A (M/lam) U_Gᵀ`` for conv-transpose,
+    flattened in the materialize layout; ``lam`` broadcasts against one row.
+    """
+    left, right = (U_A, U_G) if is_conv_transpose(layer_type) else (U_G, U_A)
+    dtype = _floor_dtype(M, U_A, U_G, lam)
+    shape = (M.shape[0], left.shape[0], right.shape[0])
+    if M.reshape(M.shape[0], -1).shape[1] != shape[1] * shape[2]:
+        raise ValueError(
+            f"ekfac_precondition({layer_type}): rows {tuple(M.shape)} do not match U_A "
+            f"{tuple(U_A.shape)} and U_G {tuple(U_G.shape)}."
+        )
+    scaled = M.to(dtype).reshape(shape) / lam.to(dtype).reshape(shape[1:])
+    return (left.to(dtype) @ scaled @ right.to(dtype).T).reshape(M.shape[0], -1)
+
+
+# --------------------------------------------------------------------------- accumulators
+
+
+def _reduce_sums(*tensors: Tensor) -> None:
+    """Sum tensors across ranks in place (no-op single process)."""
+    from dattri_llm.utils.distributed import all_reduce_sum
+
+    for t in tensors:
+        all_reduce_sum(t)
+
+
+@dataclass
+class LayerKroneckerAccumulator:
+    """Running K-FAC covariance sums ``Σ a aᵀ``, ``Σ g gᵀ`` of one layer over token rows."""
+
+    a_sum: Tensor | None = None
+    g_sum: Tensor | None = None
+    rows: int = 0
+
+    def update(
+        self,
+        a: Tensor,
+        g: Tensor,
+        layer_type: str,
+        module_kwargs: dict | None = None,
+        include_bias: bool = True,
+    ) -> None:
+        """Add one batch's kept token rows (rules of :func:`kfac_factors`; none kept → no-op)."""
+        a_rows, g_rows = kfac_rows(a, g, layer_type, module_kwargs, include_bias)
+        if a_rows.shape[0] == 0:
+            return
+        a_cov, g_cov = a_rows.T @ a_rows, g_rows.T @ g_rows
+        if self.a_sum is None:
+            self.a_sum, self.g_sum = a_cov, g_cov
+        else:
+            self._check_widths(a_cov, g_cov, layer_type)
+            self.a_sum += a_cov.to(self.a_sum)
+            self.g_sum += g_cov.to(self.g_sum)
+        self.rows += a_rows.shape[0]
+
+    def _check_widths(self, a_cov: Tensor, g_cov: Tensor, layer_type: str) -> None:
+        if a_cov.shape != self.a_sum.shape or g_cov.shape != self.g_sum.shape:
+            raise ValueError(
+                f"LayerKroneckerAccumulator({layer_type}): batch covariances "
+                f"{tuple(a_cov.shape)}/{tuple(g_cov.shape)} differ from the accumulated "
+                f"{tuple(self.a_sum.shape)}/{tuple(self.g_sum.shape)}; feed one layer only."
+            )
+
+    def _require(self, what: str) -> None:
+        if self.a_sum is None:
+            raise RuntimeError(
+                f"LayerKroneckerAccumulator.{what}: nothing accumulated; call update() with at "
+                "least one gradient-carrying row first."
+            )
+
+    def all_reduce(self) -> None:
+        """Sum the covariance sums and row count across ranks (every rank must call it)."""
+        self._require("all_reduce")
+        count = torch.tensor([float(self.rows)], dtype=torch.float64, device=self.a_sum.device)
+        _reduce_sums(self.a_sum, self.g_sum, count)
+        self.rows = int(round(float(count)))
+
+    def result(self, *, consume: bool = False) -> tuple[Tensor, Tensor]:
+        """``(A, G)`` = sums / row count; ``consume=True`` normalises in place and resets."""
+        self._require("result")
+        if not consume:
+            return self.a_sum / self.rows, self.g_sum / self.rows
+        a, g = self.a_sum.div_(self.rows), self.g_sum.div_(self.rows)
+        self.reset()
+        return a, g
+
+    def reset(self) -> None:
+        """Drop the accumulated sums."""
+        self.a_sum, self.g_sum, self.rows = None, None, 0
+
+
+@dataclass
+class LayerFisherAccumulator:
+    """Running dense empirical Fisher ``Σ g gᵀ`` of one layer over samples."""
+
+    total: Tensor | None = None
+    count: int = 0
+
+    def update(
+        self,
+        a: Tensor,
+        g: Tensor,
+        layer_type: str,
+        module_kwargs: dict | None = None,
+        include_bias: bool = True,
+    ) -> None:
+        """Add the materialized per-sample gradients of one batch of factors."""
+        self.update_from_grad(materialize_factors(a, g, layer_type, module_kwargs, include_bias))
+
+    def update_from_grad(self, grad: Tensor) -> None:
+        """Add dense per-sample gradients ``(B, d)``."""
+        m = grad.reshape(grad.shape[0], -1)
+        m = m.to(_floor_dtype(m))
+        outer = m.T @ m
+        if self.total is None:
+            self.total = outer
+        elif outer.shape != self.total.shape:
+            raise ValueError(
+                f"LayerFisherAccumulator: gradients of width {m.shape[1]} do not match the "
+                f"accumulated {tuple(self.total.shape)} Fisher; feed one layer only."
+            )
+        else:
+            self.total += outer.to(self.total)
+        self.count += m.shape[0]
+
+    def _require(self, what: str) -> None:
+        if self.total is None:
+            raise RuntimeError(f"LayerFisherAccumulator.{what}: nothing accumulated.")
+
+    def all_reduce(self) -> None:
+        """Sum the Fisher sum and sample count across ranks (every rank must call it)."""
+        self._require("all_reduce")
+        count = torch.tensor([float(self.count)], dtype=torch.float64, device=self.total.device)
+        _reduce_sums(self.total, count)
+        self.count = int(round(float(count)))
+
+    def result(self) -> Tensor:
+        """``F = Σ g gᵀ / n`` ``(d, d)``."""
+        self._require("result")
+        return self.total / self.count
+
+    def reset(self) -> None:
+        """Drop the accumulated sum."""
+        self.total, self.count = None, 0
+
+
+@dataclass
+class KroneckerAccumulator:
+    """Per-layer K-FAC covariances over :class:`Gradient` blocks."""
+
+    layers: dict[str, LayerKroneckerAccumulator] = field(default_factory=dict)
+
+    def update(self, gradient: Gradient, layers: Iterable[str]) -> None:
+        """Accumulate the named layers of a block (absent layers skipped).
+
+        Each named layer present must be factorized (``TypeError`` otherwise).
+        """
+        for name in layers:
+            if name not in gradient.data:
+                continue
+            value = gradient.data[name]
+            if isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"KroneckerAccumulator: layer {name!r} is materialized {tuple(value.shape)}; "
+                    "K-FAC covariances need its factors — capture it with "
+                    "capture_style='factorized' or supply covariances recorded at capture "
+                    "(KroneckerCovarianceCallback)."
+                )
+            f = value.as_batch_first()
+            acc = self.layers.setdefault(name, LayerKroneckerAccumulator())
+            acc.update(
+                f.activation, f.pre_activation_grad, gradient.layer_types[name], f.module_kwargs
+            )
+
+    def all_reduce(self) -> None:
+        """Sum every layer's accumulator across ranks (sorted order; every rank must call it)."""
+        for name in sorted(self.layers):
+            self.layers[name].all_reduce()
+
+    def result(self, *, consume: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
+        """``{layer: (A, G)}`` of the layers with at least one kept row."""
+        return {
+            name: acc.result(consume=consume)
+            for name, acc in self.layers.items()
+            if acc.a_sum is not None
+        }
+
+
+class FisherAccumulator:
+    """Per-layer dense empirical Fisher over :class:`Gradient` blocks.
+
+    Layers wider than ``max_params`` coordinates are dropped and recorded in
+    :attr:`skipped`.
+    """
+
+    def __init__(self, max_params: int | None = None) -> None:
+        """Start empty; ``max_params=None`` keeps every layer."""
+        self.max_params = max_params
+        self.layers: dict[str, LayerFisherAccumulator] = {}
+        self._skipped: dict[str, int] = {}
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """``{layer: param_count}`` of the layers dropped for exceeding ``max_params``."""
+        return dict(self._skipped)
+
+    def update(self, gradient: Gradient, layers: Iterable[str]) -> None:
+        """Accumulate the named layers of a block (dense as ``(B, P)``, factorized materialized)."""
+        from dattri_llm.gradient.ops.materialize import materialize
+
+        for name in layers:
+            if name not in gradient.data or name in self._skipped:
+                continue
+            value = gradient.data[name]
+            width = _dense_width(value, gradient.layer_types[name])
+            if self.max_params is not None and width > self.max_params:
+                self._skipped[name] = width
+                self.layers.pop(name, None)
+                continue
+            if isinstance(value, torch.Tensor):
+                rows = value.sum(dim=1) if gradient.indexing.get(name) == "batch_token" else value
+            else:
+                rows = materialize(value, gradient.layer_types[name])
+            self.layers.setdefault(name, LayerFisherAccumulator()).update_from_grad(rows)
+
+    def all_reduce(self) -> None:
+        """Sum every layer's Fisher across ranks (sorted order; every rank must call it)."""
+        for name in sorted(self.layers):
+            self.layers[name].all_reduce()
+
+    def result(self) -> dict[str, Tensor]:
+        """``{layer: F}`` ``(P, P)``."""
+        return {name: acc.result() for name, acc in self.layers.items()}
+
+
+def _dense_width(value: Any, layer_type: str) -> int:
+    """Per-sample coordinate count of a layer payload without materializing it."""
+    if isinstance(value, torch.Tensor):
+        return int(value[0].numel()) if value.dim() == 2 else int(value.shape[-1])
+    from dattri_llm.gradient.gradient import _materialized_width_estimate
+
+    return int(_materialized_width_estimate(value, layer_type))

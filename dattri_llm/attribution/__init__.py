@@ -1,1 +1,14 @@
-"""Re-exports (filled in as the modules land)."""
+"""The attribution tier: arguments, scores, attributor bases and methods."""
+
+from dattri_llm.attribution.algorithm import TracInAttributor
+from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.base import BaseAttributor, BaseInnerProductAttributor
+from dattri_llm.attribution.score import AttributionScore
+
+__all__ = [
+    "AttributionArguments",
+    "AttributionScore",
+    "BaseAttributor",
+    "BaseInnerProductAttributor",
+    "TracInAttributor",
+]

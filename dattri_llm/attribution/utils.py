@@ -214,14 +214,14 @@ def _describe(signature: tuple) -> str:
 def check_layer_compatibility(train: Gradient, test: Gradient, layers: Iterable[str]) -> None:
     """Raise ``ValueError`` when a shared layer differs in width or dtype between the sides.
 
-    Layers in different representations (dense vs factorized) are left to
-    the kernels, which check the materialized widths.
+    Only layers stored in the same form (dense, raw factors or final factors)
+    are compared; mixed forms (e.g. a preconditioned dense train side against
+    raw test factors) are left to the kernels, which check materialized widths.
     """
     for name in layers:
         sig_train = _layer_signature(train, name)
         sig_test = _layer_signature(test, name)
-        same_form = sig_train[:2] == sig_test[:2]
-        if (same_form and sig_train[2] != sig_test[2]) or sig_train[3] != sig_test[3]:
+        if sig_train[:2] == sig_test[:2] and sig_train[2:] != sig_test[2:]:
             raise ValueError(
                 f"layer {name!r}: train gradients ({_describe(sig_train)}) and test gradients "
                 f"({_describe(sig_test)}) are incompatible; capture both sides from the same "
@@ -422,14 +422,10 @@ def score_sources(
     granularity gives each train sample ``T`` consecutive rows (positions
     ``0..T-1``).
     """
-    from dattri_llm.attribution.base import ATTRIBUTION_GRANULARITIES
+    from dattri_llm.attribution.base import check_granularity
     from dattri_llm.gradient.streaming import rebatch_blocks
 
-    if attribution_granularity not in ATTRIBUTION_GRANULARITIES:
-        raise ValueError(
-            f"attribution_granularity must be one of {ATTRIBUTION_GRANULARITIES}, got "
-            f"{attribution_granularity!r}"
-        )
+    check_granularity(attribution_granularity)
     if loop_over_test and not getattr(test_source, "reusable", False):
         raise ValueError(
             "loop_over_test re-streams the test source for every train block, but the test "

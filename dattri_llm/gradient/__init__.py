@@ -1,1 +1,52 @@
-"""Re-exports (filled in as the modules land)."""
+"""The gradient tier: data model, ops, capture hooks and callbacks, store, sources.
+
+``Gradient`` and ``Factorized`` are exported from :mod:`dattri_llm` and
+:mod:`dattri_llm.gradient.gradient`; the streaming sources from
+:mod:`dattri_llm.gradient.streaming`.
+"""
+
+from dattri_llm.gradient import ops
+from dattri_llm.gradient.async_writer import AsyncGradientWriter
+from dattri_llm.gradient.callbacks import CaptureCallback, HookManagerCallback, OffloadCallback
+from dattri_llm.gradient.gradient import GradientRecord
+from dattri_llm.gradient.hooks import (
+    REGISTER_ALL,
+    HookManager,
+    HookManagerConfig,
+    default_hook_assignment,
+    register_linear_io_hooks,
+    register_linear_param_hooks,
+    register_param_grad_hooks,
+    remove_hooks,
+)
+from dattri_llm.gradient.ops import (
+    canonical_class_name,
+    dot,
+    grad_norm_sq,
+    materialize,
+    pairwise_dot,
+)
+from dattri_llm.gradient.storage_manager import GradientStorageManager
+
+__all__ = [
+    "REGISTER_ALL",
+    "AsyncGradientWriter",
+    "CaptureCallback",
+    "GradientRecord",
+    "GradientStorageManager",
+    "HookManager",
+    "HookManagerCallback",
+    "HookManagerConfig",
+    "OffloadCallback",
+    "canonical_class_name",
+    "default_hook_assignment",
+    "dot",
+    "grad_norm_sq",
+    "materialize",
+    "ops",
+    "pairwise_dot",
+    "register_linear_io_hooks",
+    "register_linear_param_hooks",
+    "register_param_grad_hooks",
+    "remove_hooks",
+]

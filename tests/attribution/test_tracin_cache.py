@@ -502,3 +502,39 @@ def test_tiny_gpt2_store_all_routes(tmp_path):
         tmp_path / "tr", tmp_path / "te", attribution_granularity="token"
     )
     check_close(token.agnostic_matrix()[1], expected, rtol=1e-4)
+
+
+def test_cache_representations_and_utils(mlp_setup, tmp_path):
+    from dattri_llm.attribution.utils import (
+        collect_gradients,
+        normalize_layer_names,
+        read_lr_schedule,
+        write_lr_schedule,
+    )
+
+    s = mlp_setup
+    attributor = TracInAttributor(make_args(tmp_path))
+    dense = GradientStorageManager(str(tmp_path / "dense_test"))
+    attributor.cache_representations(attributor.load_test_rep(s["root"] / "test"), dense)
+    assert all(
+        rec.gradient.representation == {"fc1": "materialized", "fc2": "materialized"}
+        for loc in dense.locations()
+        for rec in dense.load_records(loc)
+    )
+    score = attributor.attribute_from_cache(s["root"] / "train", dense)
+    check_close(score.scores, dense_gram(s["ref_train"], s["ref_test"]))
+    assert attributor.resolve_store(dense) is dense
+    source = attributor.load_test_rep(dense)
+    assert attributor.resolve_store(source) is dense
+    assert TracInAttributor.stores_meta(dense, dense) == {
+        "sample_id_key": {"train": None, "test": None}
+    }
+    assert write_lr_schedule(tmp_path / "lr", {2: 0.5, 0: 1.0}).name == "lr_schedule.json"
+    assert read_lr_schedule(tmp_path / "lr") == {0: 1.0, 2: 0.5}
+    assert read_lr_schedule(tmp_path / "nothing") is None
+    assert normalize_layer_names(None) is None and normalize_layer_names("a") == ["a"]
+    assert normalize_layer_names(("a", "b")) == ["a", "b"]
+    with pytest.raises(ValueError, match="empty"):
+        normalize_layer_names([])
+    with pytest.raises(ValueError, match="offload_interval"):
+        collect_gradients(object(), dense, offload_interval=0)

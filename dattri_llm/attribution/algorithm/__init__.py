@@ -1,1 +1,5 @@
-"""Re-exports (filled in as the modules land)."""
+"""One module per attribution method."""
+
+from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+
+__all__ = ["TracInAttributor"]

@@ -1,1 +1,11 @@
-"""Re-exports (filled in as the modules land)."""
+"""Capture callbacks (``HookManagerCallback`` and the shipped implementations)."""
+
+from dattri_llm.gradient.callbacks.base import HookManagerCallback
+from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
+from dattri_llm.gradient.callbacks.offload_callback import OffloadCallback
+
+__all__ = [
+    "CaptureCallback",
+    "HookManagerCallback",
+    "OffloadCallback",
+]

@@ -9,7 +9,7 @@ On-disk layout of a ``"disk"`` store (the write directory is ``save_dir``, or
 ``save_dir/rank_<r>/`` under an initialised process group)::
 
     store.json       settings sidecar: format version, sample_id_key,
-                     gradient_accumulation_steps (rewritten atomically)
+                     gradient_accumulation_steps, projection (rewritten atomically)
     index.jsonl      append-only log, one line per group:
                      {"file": name, "records": [{"idx", "step", "ids"}, ...]}
     group_<n>.mmap   memmap group: magic, header length, JSON header, raw bytes
@@ -55,6 +55,7 @@ __all__ = [
     "SIDECAR_FILE",
     "GradientStorageManager",
     "load_group_file",
+    "projection_record",
     "write_group_file",
 ]
 
@@ -70,6 +71,11 @@ _SUFFIX = {"memmap": ".mmap", "pickle": ".pt"}
 _GROUP_RE = re.compile(r"^group_(\d+)\.")
 _RANK_DIR_RE = re.compile(r"^rank_(\d+)$")
 _TUPLE_TAG = "__tuple__"
+_DEFAULT_PROJECTION = {"style": "logra", "proj_seed": 0, "include_bias": True}
+_DEFAULT_FACTORIES = (
+    "dattri.func.projection.random_project",
+    "dattri_llm.gradient.ops.projection.random_project",
+)
 
 
 # --------------------------------------------------------------------------- JSON encoding
@@ -480,6 +486,76 @@ def _next_group_number(directory: Path) -> int:
     return max(numbers, default=-1) + 1
 
 
+# --------------------------------------------------------------------------- projection record
+
+
+def _projector_name(projector: Any) -> str | None:
+    """``module.qualname`` of a projection factory; ``None`` for the default factory."""
+    from dattri_llm.gradient.ops.projection import DattriProjector
+
+    if isinstance(projector, DattriProjector):
+        projector = projector._factory  # None until the default factory is resolved
+    if projector is None:
+        return None
+    named = projector if hasattr(projector, "__qualname__") else type(projector)
+    name = f"{named.__module__}.{named.__qualname__}"
+    return None if name in _DEFAULT_FACTORIES else name
+
+
+def _json_scalar(value: Any) -> Any:
+    """``value`` as a JSON scalar (NumPy scalars unwrapped), or `_NotJSONable`."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise _NotJSONable
+
+
+def _resolve_layer_projection(proj_kwargs: Mapping[str, Any], projector: str | None) -> dict:
+    """One layer's settings with the defaults filled in; ``device`` and non-JSON values dropped."""
+    entry: dict[str, Any] = dict(_DEFAULT_PROJECTION)
+    for key, value in proj_kwargs.items():
+        try:
+            if key != "device":
+                entry[key] = _json_scalar(value)
+        except _NotJSONable:
+            continue
+    if entry["style"] != "mask":  # masks gather exact entries: no projector involved
+        if projector is not None:
+            entry["projector"] = projector
+        else:
+            entry.setdefault("proj_type", "normal")  # the default factory's default
+    return entry
+
+
+def projection_record(
+    projection_kwargs: Mapping[str, Mapping[str, Any]] | None, projector: Any = None
+) -> dict[str, dict]:
+    """JSON-able record of a capture's projection settings, as stored by a store.
+
+    Args:
+        projection_kwargs: ``{layer name or "__default__": proj_kwargs}`` (see
+            ``HookManagerConfig``); ``None`` = unprojected.
+        projector: the capture's projection factory (a callable, a
+            ``DattriProjector`` or ``None`` = the default factory).
+
+    Returns:
+        ``{name or "__default__": settings}``; each entry has ``style``,
+        ``proj_seed`` and ``include_bias`` filled with their defaults, the
+        other JSON-able keys verbatim (``device`` dropped), and for projected
+        (non-``"mask"``) styles either ``"projector"`` (the factory's
+        ``module.qualname`` when it is not the default factory) or
+        ``proj_type`` (default ``"normal"``). ``{}`` for an unprojected capture.
+    """
+    if not projection_kwargs:
+        return {}
+    name = _projector_name(projector)
+    return {
+        str(layer): _resolve_layer_projection(proj_kwargs, name)
+        for layer, proj_kwargs in projection_kwargs.items()
+    }
+
+
 # --------------------------------------------------------------------------- the manager
 
 
@@ -545,6 +621,7 @@ class GradientStorageManager:
         self._sample_id_key: str | int | None = None
         self._id_scheme_fixed = False
         self._accumulation_steps: int | None = None
+        self._projection: dict[str, dict] | None = None
         self._write_dir: Path | None = None
         self._write_prefix = ""
         self._next_group = 0
@@ -600,6 +677,14 @@ class GradientStorageManager:
     def gradient_accumulation_steps(self) -> int:
         """Declared accumulation window of the stored records (1 when undeclared)."""
         return self._accumulation_steps or 1
+
+    @property
+    def projection(self) -> dict[str, dict] | None:
+        """Declared capture projection ``{name or "__default__": settings}`` (see `projection_record`).
+
+        ``{}`` = declared unprojected; ``None`` = never declared (unknown).
+        """
+        return self._projection
 
     @property
     def index(self) -> dict[str, list[dict[str, Any]]]:
@@ -661,6 +746,27 @@ class GradientStorageManager:
                 f"Use a fresh directory or the store's convention."
             )
         self._accumulation_steps = n
+        self._write_settings()
+
+    def declare_projection(
+        self, projection: Mapping[str, Mapping[str, Any]] | None, projector: Any = None
+    ) -> None:
+        """Record the capture projection of the stored gradients (``None`` = unprojected).
+
+        ``projection`` is a ``projection_kwargs`` dict; it is stored resolved
+        by `projection_record` (with ``projector``, the capture's projection
+        factory) in the sidecar of a ``"disk"`` store and in memory otherwise.
+        A record differing from an earlier declaration (or the on-disk value)
+        → `ValueError`; the same record again is a no-op.
+        """
+        record = projection_record(projection, projector)
+        if self._projection is not None and self._projection != record:
+            raise ValueError(
+                f"gradient store {self._save_dir} holds gradients captured with projection "
+                f"{self._projection}; cannot declare {record}. Capture with the store's "
+                f"projection_kwargs (and projector) or use a fresh directory."
+            )
+        self._projection = record
         self._write_settings()
 
     def save(self, record: GradientRecord) -> str:
@@ -805,6 +911,8 @@ class GradientStorageManager:
             settings["sample_id_key"] = self._sample_id_key
         if self._accumulation_steps is not None:
             settings["gradient_accumulation_steps"] = self._accumulation_steps
+        if self._projection is not None:
+            settings["projection"] = self._projection
         return settings
 
     def _write_settings(self) -> None:
@@ -876,6 +984,14 @@ class GradientStorageManager:
                     f"{self._accumulation_steps}."
                 )
             self._accumulation_steps = n
+        if "projection" in settings:
+            record = settings["projection"]
+            if self._projection is not None and record != self._projection:
+                raise ValueError(
+                    f"gradient store {self._save_dir}: {path} declares projection {record} but "
+                    f"another part of the store declares {self._projection}."
+                )
+            self._projection = record
 
     # ----------------------------------------------------------------- RAM residency
     def _make_spill_dir(self) -> Path:

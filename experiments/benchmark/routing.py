@@ -4,13 +4,14 @@ Times ``ops.cross_gram`` on preprocessed linear factors (``D = K = 1024``, ``B1 
 ``B2`` in {1, 16}, ``S`` from 32 to 2048) with each route pinned and with ``mode="auto"``
 (the FLOP model of ``maybe_use_materialized_gram``), and writes a Markdown table.
 
-Wall time: median over repetitions after one warm-up run (configurations slower than
-``--single-rep-seconds`` are timed once, with the first run as the measurement).
+Wall time: median over repetitions after one warm-up run; the routes of a configuration are
+timed round-robin so that load from other processes hits them alike (configurations slower
+than ``--single-rep-seconds`` are timed once, with the first run as the measurement).
 Peak memory: on CPU, the growth of the process's peak resident set size (``VmHWM`` after
 resetting it through ``/proc/self/clear_refs``) over the resident size before the call,
 i.e. the extra host memory the call touched (inputs excluded; glibc's mmap threshold is
-pinned at 128 KiB so large tensors are mapped fresh and returned on free); on CUDA, ``torch.cuda.max_memory_allocated`` minus the
-allocation before the call.
+pinned at 128 KiB so large tensors are mapped fresh and returned on free); on CUDA,
+``torch.cuda.max_memory_allocated`` minus the allocation before the call.
 
 Usage: ``python experiments/benchmark/routing.py [--device cpu|cuda] [--out PATH]``.
 """
@@ -90,14 +91,24 @@ def measure_once(fn, device: torch.device) -> tuple[float, float]:
     return seconds, max(peak, 0) / 2**20
 
 
-def time_route(fn, device: torch.device, single_rep_seconds: float) -> tuple[float, float, int]:
-    """(median seconds, peak MiB of the first run, number of timed runs)."""
-    first, peak = measure_once(fn, device)
-    if first > single_rep_seconds:
-        return first, peak, 1
-    reps = 5 if first < 0.25 else 3
-    times = [measure_once(fn, device)[0] for _ in range(reps)]
-    return statistics.median(times), peak, reps
+def time_routes(fns: dict, device: torch.device, single_rep_seconds: float) -> dict:
+    """``{route: (median seconds, peak MiB of the first run, timed runs)}``.
+
+    The first run of each route is its warm-up and memory measurement (and its only
+    timing when slower than ``single_rep_seconds``); the rest are timed round-robin.
+    """
+    first = {route: measure_once(fn, device) for route, fn in fns.items()}
+    repeat = [r for r, (seconds, _) in first.items() if seconds <= single_rep_seconds]
+    slowest = max((first[r][0] for r in repeat), default=0.0)
+    reps = 7 if slowest < 0.05 else 5 if slowest < 0.25 else 3
+    times = {r: [] for r in repeat}
+    for _ in range(reps if repeat else 0):
+        for r in repeat:
+            times[r].append(measure_once(fns[r], device)[0])
+    return {
+        r: (statistics.median(times[r]), peak, reps) if r in times else (seconds, peak, 1)
+        for r, (seconds, peak) in first.items()
+    }
 
 
 def machine_description(device: torch.device) -> str:
@@ -116,6 +127,9 @@ def machine_description(device: torch.device) -> str:
 def run(device: torch.device, single_rep_seconds: float, skip_after_seconds: float) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
+    warm = [torch.randn(2, 4, 8, generator=gen).to(device) for _ in range(4)]
+    for route in ROUTES:  # first-call costs (thread pools, kernels) stay out of the table
+        cross_gram(*warm, "nn.Linear", route)
     for b2 in B2_VALUES:
         too_slow: set[str] = set()
         for s in S_VALUES:
@@ -129,20 +143,19 @@ def run(device: torch.device, single_rep_seconds: float, skip_after_seconds: flo
                 else "factorized",
                 "ratio": flops("factorized", B1, b2, s) / flops("materialized", B1, b2, s),
             }
+            fns = {
+                route: (lambda m=route, f=(a1, g1, a2, g2): cross_gram(*f, "nn.Linear", m))
+                for route in ROUTES
+                if (row["auto_route"] if route == "auto" else route) not in too_slow
+            }
+            timed = time_routes(fns, device, single_rep_seconds)
             for route in ROUTES:
-                pinned = row["auto_route"] if route == "auto" else route
-                if pinned in too_slow:
-                    row[route] = None
-                    continue
-                seconds, peak, reps = time_route(
-                    lambda m=route, f=(a1, g1, a2, g2): cross_gram(*f, "nn.Linear", m),
-                    device,
-                    single_rep_seconds,
-                )
-                row[route] = (seconds, peak, reps)
-                if route != "auto" and seconds > skip_after_seconds:
+                row[route] = timed.get(route)
+                if route != "auto" and route in timed and timed[route][0] > skip_after_seconds:
                     too_slow.add(route)  # cost grows with S: skip larger S for this route
-                print(f"B2={b2} S={s} {route}: {seconds * 1e3:.1f} ms, {peak:.0f} MiB", flush=True)
+                if route in timed:
+                    seconds, peak, _ = timed[route]
+                    print(f"B2={b2} S={s} {route}: {seconds * 1e3:.1f} ms, {peak:.0f} MiB")
             rows.append(row)
     return rows
 
@@ -183,16 +196,17 @@ def auto_overheads(rows: list[dict]) -> list[str]:
     return lines
 
 
-def write_markdown(rows: list[dict], device: torch.device, out: Path, elapsed: float) -> None:
+def write_markdown(rows: list[dict], machine: str, device, out: Path, elapsed: float) -> None:
     lines = [
         "# Routing benchmark: factorized vs materialized cross-Gram",
         "",
         f"- Date: {datetime.date.today().isoformat()}",
-        f"- Machine: {machine_description(device)}",
+        f"- Machine: {machine}",
         f"- Device: {device}; total benchmark time {elapsed:.0f} s",
         f"- Workload: `ops.cross_gram` on preprocessed `nn.Linear` factors, D = K = {D}, "
         f"B1 = {B1}, float32, fresh random factors per (B2, S).",
-        "- Time: median wall time (ms) after one warm-up run; ¹ = timed once (slow "
+        "- Time: median wall time (ms) after one warm-up run, routes timed round-robin; "
+        "¹ = timed once (slow "
         "configuration, first run is the measurement). `skipped`: the route took longer than "
         "the skip threshold at a smaller S (its cost only grows with S).",
         "- Memory (MiB): "
@@ -238,9 +252,10 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cpu":
         pin_glibc_mmap_threshold()
+    machine = machine_description(device)
     start = time.perf_counter()
     rows = run(device, args.single_rep_seconds, args.skip_after_seconds)
-    write_markdown(rows, device, args.out, time.perf_counter() - start)
+    write_markdown(rows, machine, device, args.out, time.perf_counter() - start)
     print(f"wrote {args.out}")
 
 

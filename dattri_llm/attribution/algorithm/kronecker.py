@@ -1,0 +1,1045 @@
+"""Curvature-based influence: K-FAC and EK-FAC (and the dense empirical Fisher).
+
+``score[i, j] = Σ_l vec(dW_tr,i)ᵀ F_l⁻¹ vec(dW_te,j)``: the inverse curvature is
+applied once to the test side (:meth:`KroneckerAttributor.transform_test_rep`)
+and scored against raw train gradients with the inner-product machinery of
+:class:`~dattri_llm.attribution.base.BaseInnerProductAttributor`.
+
+* **K-FAC**: ``F_l ≈ A ⊗ G`` with the token-row covariances of the
+  preprocessed factors (``ops.kfac_factors``, bias column included);
+  ``A⁻¹ = (A + λ_A I)⁻¹``, ``G⁻¹ = (G + λ_G I)⁻¹``; a test layer becomes
+  ``G⁻¹·dW·A⁻¹``, kept factorized as final factors ``(a·A⁻¹, g·G⁻¹)`` or
+  computed densely for a dense block.
+* **EK-FAC**: eigenbases ``U_A, U_G`` of ``A, G`` and the eigenvalue correction
+  ``Λ = mean_i (U_Gᵀ dW_i U_A)²`` over the training samples (second pass); a
+  test layer becomes ``U_G((U_Gᵀ dW U_A)/(Λ+λ))U_Aᵀ``.
+* **Dense Fisher** (``F = Σ g gᵀ / n``, ``(F + λI)⁻¹``) for dense K-FAC layers
+  without covariances (``UserWarning``) and, with
+  ``non_kfac_strategy="direct"``, for normalization layers.
+
+Damping ``λ_X = damping``, or ``damping · mean eigenvalue of X`` with
+``relative_damping=True`` (EK-FAC: ``damping · mean(Λ)``). A fit is
+damping-free and can be persisted (``fisher_dir``) and re-damped later.
+
+Tied weights are scored per use site: each hooked module contributes its own
+term and the cross-site terms are dropped.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from dattri_llm.attribution.base import BaseInnerProductAttributor
+
+if TYPE_CHECKING:
+    from dattri_llm.attribution.arguments import AttributionArguments
+    from dattri_llm.attribution.score import AttributionScore
+    from dattri_llm.gradient.gradient import Gradient
+    from dattri_llm.gradient.hooks.config import HookManagerConfig
+    from dattri_llm.gradient.ops.kronecker import FisherAccumulator
+    from dattri_llm.gradient.streaming import GradientSource
+
+FISHER_FILE = "fisher_factors.pt"
+COVARIANCES_FILE = "kronecker_covariances.pt"
+NON_KFAC_STRATEGIES = ("ignore", "direct")
+EKFAC_MODES = ("exact", "approx")
+
+Covariances = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _dense_rows(value: torch.Tensor) -> torch.Tensor:
+    """A dense payload as ``(B, d)`` rows (``(B, T, d)`` summed over tokens)."""
+    return value.sum(dim=1) if value.dim() == 3 else value.reshape(value.shape[0], -1)
+
+
+def _layer_error(name: str, error: ValueError) -> ValueError:
+    """``error`` re-raised with the layer name in front."""
+    return ValueError(f"layer {name!r}: {error}")
+
+
+class KroneckerAttributor(BaseInnerProductAttributor):
+    """Base of the curvature attributors: fit, damping, persistence and test preconditioning.
+
+    Subclasses implement :meth:`fit_factors` (damping-free per-layer factors),
+    :meth:`damp` and :meth:`precondition_test_layer`. A single checkpoint is
+    used (``checkpoints() -> [0]``; more → ``UserWarning``); the train source
+    must be ``reusable`` for the fit pass(es).
+    """
+
+    algorithm: ClassVar[str] = "Kronecker"
+
+    def __init__(self, args: AttributionArguments, *, task: object | None = None) -> None:
+        super().__init__(args, task=task)
+        self.damping = 1e-3
+        self.relative_damping = False
+        self.non_kfac_strategy = "ignore"
+        self.direct_fim_max_params = 4096
+        self.factor_cache_residency: str | None = None
+        self.covariances_at_capture = True
+        self.covariances: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.raw_fit: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
+        self._fit_settings: dict[str, Any] = {"layer_name": None, "selected_training_steps": None}
+        self._fisher_dir_to_write: Path | None = None
+        self._factors: Any = None
+        self._fisher_inverse: Any = None
+        self._damped_layers: dict[str, str] = {}
+        self._identity_test = False
+        self._capture_callback: Any = None
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ options
+    def configure(
+        self,
+        *,
+        damping: float = 1e-3,
+        non_kfac_strategy: str = "ignore",
+        direct_fim_max_params: int = 4096,
+        relative_damping: bool = False,
+        factor_cache_residency: str | None = None,
+        covariances_at_capture: bool = True,
+    ) -> None:
+        """Validate and set the options of the coming call (``ValueError`` on a bad value)."""
+        from dattri_llm.utils.cache import CACHE_RESIDENCIES
+
+        if damping < 0:
+            raise ValueError(f"damping must be >= 0, got {damping}.")
+        if non_kfac_strategy not in NON_KFAC_STRATEGIES:
+            raise ValueError(
+                f"non_kfac_strategy must be one of {NON_KFAC_STRATEGIES}, got "
+                f"{non_kfac_strategy!r}."
+            )
+        if direct_fim_max_params <= 0:
+            raise ValueError(f"direct_fim_max_params must be > 0, got {direct_fim_max_params}.")
+        if factor_cache_residency is not None and factor_cache_residency not in CACHE_RESIDENCIES:
+            raise ValueError(
+                f"factor_cache_residency must be None or one of {CACHE_RESIDENCIES}, got "
+                f"{factor_cache_residency!r}."
+            )
+        self.damping = float(damping)
+        self.non_kfac_strategy = non_kfac_strategy
+        self.direct_fim_max_params = int(direct_fim_max_params)
+        self.relative_damping = bool(relative_damping)
+        self.factor_cache_residency = factor_cache_residency
+        self.covariances_at_capture = bool(covariances_at_capture)
+
+    def checkpoints(self) -> list[int]:
+        """``[0]``: curvature methods use one checkpoint (``UserWarning`` if the task has more)."""
+        if self.num_checkpoints() > 1:
+            warnings.warn(
+                f"{type(self).__name__} uses the first checkpoint only; the task has "
+                f"{self.num_checkpoints()} and the others are ignored.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return [0]
+
+    def fit_meta(self) -> dict[str, Any]:
+        """Settings a persisted fit must match to be reused (damping excluded)."""
+        return {
+            "non_kfac_strategy": self.non_kfac_strategy,
+            "direct_fim_max_params": self.direct_fim_max_params,
+            **self._fit_settings,
+        }
+
+    # ------------------------------------------------------------------ layer routing
+    def covariances_for(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Supplied/captured covariances ``(A, G)`` of a layer, if any."""
+        return None if self.covariances is None else self.covariances.get(name)
+
+    def kfac_layers(self, grad: Gradient) -> list[str]:
+        """K-FAC layers: eligible and factorized, or dense with covariances (supplied/captured)."""
+        from dattri_llm.gradient.ops.types import is_kfac_eligible
+
+        return [
+            name
+            for name, layer_type in grad.layer_types.items()
+            if is_kfac_eligible(layer_type)
+            and (
+                grad.representation[name] == "factorized"
+                or self.covariances_for(name) is not None
+                or self._capture_callback is not None
+            )
+        ]
+
+    def fisher_layers(self, grad: Gradient) -> list[str]:
+        """Layers preconditioned by the dense empirical Fisher (warns once per layer)."""
+        from dattri_llm.gradient.ops.types import is_embedding, is_kfac_eligible, is_norm
+
+        kfac = set(self.kfac_layers(grad))
+        layers = []
+        for name, layer_type in grad.layer_types.items():
+            if name in kfac:
+                continue
+            if is_kfac_eligible(layer_type):
+                self._warn_once(
+                    name,
+                    f"layer {name!r} ({layer_type}) is stored dense and no covariances were "
+                    "supplied: it uses the dense empirical Fisher. Capture it factorized, or pass "
+                    "covariances (fit(covariances=...) / KroneckerCovarianceCallback).",
+                )
+                layers.append(name)
+            elif is_norm(layer_type) and self.non_kfac_strategy == "direct":
+                layers.append(name)
+            elif is_embedding(layer_type) and self.non_kfac_strategy == "direct":
+                self._warn_once(
+                    name,
+                    f"embedding layer {name!r} is never preconditioned; it does not contribute "
+                    "to the scores.",
+                )
+        return layers
+
+    def _warn_once(self, name: str, message: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def accumulate_fisher(self, fisher_acc: FisherAccumulator, grad: Gradient) -> None:
+        """Feed the dense-Fisher layers of one first-pass block into ``fisher_acc``."""
+        layers = self.fisher_layers(grad)
+        if layers:
+            fisher_acc.update(grad, layers)
+
+    def covariance_pass(
+        self, train_source: GradientSource, fisher_acc: FisherAccumulator
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """First pass: ``{layer: (A, G)}`` for every K-FAC layer (+ dense Fisher accumulation).
+
+        Supplied covariances are used as given; the others are accumulated from
+        the factorized blocks. Supplied covariances whose widths disagree with
+        the stored factors raise ``ValueError`` naming the layer and shapes.
+        """
+        from dattri_llm.gradient.ops.kronecker import KroneckerAccumulator
+
+        acc = KroneckerAccumulator()
+        seen: dict[str, str] = {}
+        for _step, block, _ids in train_source:
+            layers = self.kfac_layers(block)
+            for name in layers:
+                seen[name] = block.layer_types[name]
+                self._check_covariance_widths(block, name)
+            acc.update(
+                block,
+                [
+                    n
+                    for n in layers
+                    if self.covariances_for(n) is None and block.representation[n] == "factorized"
+                ],
+            )
+            self.accumulate_fisher(fisher_acc, block)
+        acc.all_reduce()
+        fitted = acc.result(consume=True)
+        result = {}
+        for name in seen:
+            cov = self.covariances_for(name)
+            if cov is None:
+                cov = fitted.get(name, self.captured_covariances_for(name))
+            if cov is not None:
+                result[name] = cov
+        self._damped_layers = {name: seen[name] for name in result}
+        return result
+
+    def _check_covariance_widths(self, block: Gradient, name: str) -> None:
+        """``ValueError`` if supplied covariances do not fit the layer's stored gradients."""
+        cov = self.covariances_for(name)
+        if cov is None:
+            return
+        from dattri_llm.gradient.ops.kronecker import _preprocessed_3d
+
+        value = block.data[name]
+        k, d = cov[0].shape[0], cov[1].shape[0]
+        if isinstance(value, torch.Tensor):
+            ok = _dense_rows(value).shape[1] == k * d
+            stored = f"dense rows {tuple(_dense_rows(value).shape)}"
+        else:
+            f = value.as_batch_first()
+            a, g = _preprocessed_3d(
+                f.activation[:1], f.pre_activation_grad[:1], block.layer_types[name],
+                f.module_kwargs, True,
+            )  # fmt: skip
+            ok = (a.shape[-1], g.shape[-1]) == (k, d)
+            stored = f"factor widths K={a.shape[-1]}, D={g.shape[-1]}"
+        if not ok:
+            raise ValueError(
+                f"layer {name!r}: supplied covariances A {tuple(cov[0].shape)} and G "
+                f"{tuple(cov[1].shape)} do not match the stored gradients ({stored}); they were "
+                "recorded for another layer set, projection or include_bias setting — "
+                "record them on the same capture (KroneckerCovarianceCallback) or refit."
+            )
+
+    # ------------------------------------------------------------------ subclass contract
+    def fit_factors(
+        self, train_source: GradientSource, fisher_acc: FisherAccumulator
+    ) -> dict[str, Any]:
+        """Damping-free per-layer factors ``{layer: raw}`` (feed first-pass blocks to Fisher)."""
+        raise NotImplementedError
+
+    def damp(self, raw_factors: Mapping[str, Any], damping: float) -> dict[str, Any]:
+        """Damped per-layer factors ready for :meth:`precondition_test_layer`."""
+        raise NotImplementedError
+
+    def precondition_test_layer(
+        self, value: Any, layer_type: str, factors: Any
+    ) -> Any:  # Factorized | Tensor
+        """``F⁻¹·dW`` of one test layer from its damped factors."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ fitting
+    def fit_raw(self, train_source: GradientSource) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(raw_factors, raw_fisher)`` over a reusable train source (damping-free)."""
+        from dattri_llm.gradient.ops.kronecker import FisherAccumulator
+
+        if not getattr(train_source, "reusable", False):
+            raise ValueError(
+                f"{type(self).__name__} fits the curvature with extra passes over the training "
+                f"gradients, but the train source {type(train_source).__name__} is not reusable; "
+                "use a frozen probe or a gradient store, or fit first (fit / fisher_dir)."
+            )
+        fisher_acc = FisherAccumulator(max_params=self.direct_fim_max_params)
+        with self._capturing_covariances(train_source):
+            raw = self.fit_factors(train_source, fisher_acc)
+        fisher_acc.all_reduce()
+        fisher = fisher_acc.result()
+        if fisher_acc.skipped:
+            warnings.warn(
+                f"layers {fisher_acc.skipped} exceed direct_fim_max_params="
+                f"{self.direct_fim_max_params} and are dropped from the dense Fisher (they do "
+                "not contribute to the scores); raise direct_fim_max_params to keep them.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if not raw and not fisher:
+            raise ValueError(
+                f"{type(self).__name__}: no layer can be preconditioned (K-FAC needs "
+                "linear/conv/conv-transpose layers captured factorized or with covariances; "
+                "norm layers need non_kfac_strategy='direct')."
+            )
+        return raw, fisher
+
+    def _capturing_covariances(self, train_source: GradientSource) -> Any:
+        """Context: attach a ``KroneckerCovarianceCallback`` to a live source's hooks.
+
+        Covariances of dense eligible layers then come from the capture.
+        """
+        import contextlib
+
+        manager = getattr(train_source, "hook_manager", None)
+        if manager is None or not self.covariances_at_capture:
+            return contextlib.nullcontext()
+        return self._attached_callback(manager)
+
+    def _attached_callback(self, manager: Any) -> Any:
+        import contextlib
+
+        from dattri_llm.gradient.callbacks.kronecker_covariance_callback import (
+            KroneckerCovarianceCallback,
+        )
+
+        @contextlib.contextmanager
+        def attached() -> Any:
+            callback = KroneckerCovarianceCallback()
+            manager.add_callback(callback)
+            self._capture_callback = callback
+            try:
+                yield
+            finally:
+                manager.callbacks.remove(callback)
+                self._capture_callback = None
+
+        return attached()
+
+    def captured_covariances_for(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Covariances recorded by the live capture callback of the running pass."""
+        if self._capture_callback is None:
+            return None
+        return self._capture_callback.result().get(name)
+
+    def damp_fit(
+        self, raw_fit: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]], damping: float
+    ) -> None:
+        """Damp a raw fit and hold the result (device or ``factor_cache_residency``)."""
+        from dattri_llm.gradient.ops.kronecker import damping_for, dense_inverse
+
+        raw_factors, raw_fisher = raw_fit
+        factors = self.damp(raw_factors, damping)
+        fisher = {}
+        for name, matrix in raw_fisher.items():
+            try:
+                fisher[name] = dense_inverse(
+                    matrix, damping_for(matrix, damping, self.relative_damping)
+                )
+            except ValueError as error:
+                raise _layer_error(name, error) from None
+        self._factors = self._hold(factors)
+        self._fisher_inverse = self._hold(fisher)
+
+    def _hold(self, values: dict[str, Any]) -> Any:
+        """Damped factors on the compute device, or host-side in a ``TensorCache``."""
+        if self.factor_cache_residency is None:
+            device = torch.device(self.args.device)
+            return {name: _to(value, device) for name, value in values.items()}
+        from dattri_llm.utils.cache import TensorCache
+
+        cache = TensorCache(self.factor_cache_residency)
+        for name, value in values.items():
+            cache.put(name, _to(value, torch.device("cpu")))
+        return cache
+
+    def _fetch(self, holder: Any, name: str) -> Any:
+        """One layer's damped factors on the compute device (``None`` if absent)."""
+        value = holder.get(name)
+        return None if value is None else _to(value, torch.device(self.args.device))
+
+    def _ensure_fit(self, train_source: GradientSource) -> None:
+        """Fit (unless loaded/held), persist when requested, then damp."""
+        if self.raw_fit is None:
+            self.raw_fit = self.fit_raw(train_source)
+            if self._fisher_dir_to_write is not None:
+                self.save_fisher(self.raw_fit[0], self._fisher_dir_to_write, fisher=self.raw_fit[1])
+        self.damp_fit(self.raw_fit, self.damping)
+
+    # ------------------------------------------------------------------ persistence
+    def default_fisher_dir(self) -> Path:
+        """``<output_dir>/<algorithm.lower()>_fisher``."""
+        return Path(self.args.output_dir).expanduser() / f"{self.algorithm.lower()}_fisher"
+
+    def save_fisher(
+        self,
+        covariances: Mapping[str, Any],
+        fisher_dir: str | Path | None = None,
+        *,
+        fisher: Mapping[str, torch.Tensor] | None = None,
+    ) -> Path:
+        """Write a damping-free fit to ``<fisher_dir>/fisher_factors.pt``; return the directory."""
+        directory = Path(fisher_dir or self.default_fisher_dir()).expanduser()
+        if self.args.should_log:
+            directory.mkdir(parents=True, exist_ok=True)
+            payload = {
+                "algorithm": self.algorithm,
+                "meta": self.fit_meta(),
+                "factors": {k: _to(v, torch.device("cpu")) for k, v in covariances.items()},
+                "fisher": {k: v.cpu() for k, v in (fisher or {}).items()},
+                "layer_types": dict(self._damped_layers),
+            }
+            torch.save(payload, directory / FISHER_FILE)
+        return directory
+
+    def load_fisher(self, fisher_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load a fit written by :meth:`save_fisher` (settings must match; damping may differ)."""
+        path = Path(fisher_dir).expanduser() / FISHER_FILE
+        if not path.is_file():
+            raise ValueError(
+                f"no fit at {str(path)!r}; run {type(self).__name__}.fit(...) or pass a "
+                "fisher_dir written by a previous call."
+            )
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if payload.get("algorithm") != self.algorithm:
+            raise ValueError(
+                f"{str(path)!r} holds a {payload.get('algorithm')} fit, not {self.algorithm}; "
+                "use the matching attributor or another fisher_dir."
+            )
+        expected = self.fit_meta()
+        stored = payload.get("meta", {})
+        different = {k: (stored.get(k), v) for k, v in expected.items() if stored.get(k) != v}
+        if different:
+            raise ValueError(
+                f"the fit in {str(path)!r} was made with different settings "
+                f"{{setting: (stored, requested)}} = {different}; refit with fit(...) or use "
+                "another fisher_dir (only damping may differ)."
+            )
+        self._damped_layers = dict(payload.get("layer_types", {}))
+        self.raw_fit = (payload["factors"], payload["fisher"])
+        return self.raw_fit
+
+    # ------------------------------------------------------------------ scoring hooks
+    def prepare_scoring(self, train_source: GradientSource, test_source: GradientSource) -> None:
+        """Fit (or reuse the loaded fit) and damp it before the test side is transformed."""
+        if not self._identity_test:
+            self._ensure_fit(train_source)
+
+    def transform_test_rep(self, block: Gradient) -> Gradient:
+        """``F⁻¹`` applied to every preconditioned layer; other layers are dropped."""
+        if self._identity_test:
+            return block
+        if self._factors is None:
+            raise ValueError(
+                f"{type(self).__name__}: the curvature is not fitted; score through "
+                "attribute/attribute_from_cache, or fit first (fit / fisher_dir)."
+            )
+        from dattri_llm.gradient.ops.materialize import materialize
+
+        def convert(name: str, value: Any, layer_type: str) -> Any:
+            try:
+                factors = self._fetch(self._factors, name)
+                if factors is not None:
+                    if isinstance(value, torch.Tensor):
+                        value = _dense_rows(value)
+                    return self.precondition_test_layer(value, layer_type, factors)
+                inverse = self._fetch(self._fisher_inverse, name)
+                if inverse is None:
+                    return None
+                rows = (
+                    _dense_rows(value)
+                    if isinstance(value, torch.Tensor)
+                    else materialize(value, layer_type)
+                )
+                return _matmul_checked(rows, inverse)
+            except ValueError as error:
+                raise _layer_error(name, error) from None
+
+        return block.map_layers(convert)
+
+    def build_score(self, *args: Any, algorithm_meta: dict | None = None, **kwargs: Any) -> Any:
+        """Base ``build_score`` with ``direct_fim_layers`` added to ``algorithm_meta``."""
+        meta = dict(algorithm_meta or {})
+        if self.raw_fit is not None:
+            meta.setdefault("direct_fim_layers", sorted(self.raw_fit[1]))
+        return super().build_score(*args, algorithm_meta=meta, **kwargs)
+
+    # ------------------------------------------------------------------ entry points
+    def _start_call(self, options: dict[str, Any], layer_name: Any, steps: Any) -> None:
+        """Reset per-call state and apply the options."""
+        from dattri_llm.attribution.utils import normalize_layer_names
+
+        self.configure(**options)
+        self._fit_settings = {
+            "layer_name": normalize_layer_names(layer_name),
+            "selected_training_steps": None if steps is None else sorted(set(steps)),
+        }
+        self.covariances = None
+        self.raw_fit = None
+        self._factors = self._fisher_inverse = None
+        self._fisher_dir_to_write = None
+        self._identity_test = False
+        self._warned = set()
+
+    def _use_fisher_dir(self, fisher_dir: str | Path | None) -> None:
+        """Load the fit in ``fisher_dir`` if present, else write this call's fit there."""
+        if fisher_dir is None:
+            return
+        if (Path(fisher_dir).expanduser() / FISHER_FILE).is_file():
+            self.load_fisher(fisher_dir)
+        else:
+            self._fisher_dir_to_write = Path(fisher_dir).expanduser()
+
+    def _use_store_covariances(self, train_source: object) -> None:
+        """Adopt ``kronecker_covariances.pt`` saved beside a train store (capture-time fit)."""
+        if not self.covariances_at_capture or self.covariances is not None:
+            return
+        try:
+            store = self.resolve_store(train_source)
+        except (TypeError, FileNotFoundError):
+            return
+        path = Path(store.save_dir) / COVARIANCES_FILE
+        if path.is_file():
+            self.covariances = torch.load(path, map_location="cpu", weights_only=True)
+
+    def attribute_from_cache(  # noqa: D417 - documented in attribution.md §7
+        self,
+        train_source: object,
+        test_source: object,
+        *,
+        selected_training_steps: Iterable[int] | None = None,
+        layer_name: str | list[str] | None = None,
+        verbose: bool = False,
+        loop_over_test: bool = False,
+        algorithm_meta: dict[str, Any] | None = None,
+        attribution_granularity: str = "instance",
+        damping: float = 1e-3,
+        preconditioned_test_dir: str | None = None,
+        preconditioned_test_cache_residency: str | None = None,
+        fisher_dir: str | None = None,
+        non_kfac_strategy: str = "ignore",
+        direct_fim_max_params: int = 4096,
+        relative_damping: bool = False,
+        factor_cache_residency: str | None = None,
+        covariances_at_capture: bool = True,
+    ) -> AttributionScore:
+        """Curvature-weighted scores from gradient stores (no model needed).
+
+        A fit in ``fisher_dir`` is loaded and re-damped (no train pre-pass);
+        otherwise the fit of this call is written there. With
+        ``preconditioned_test_dir``/``preconditioned_test_cache_residency``
+        (``loop_over_test=True`` only) the preconditioned queries are cached
+        once and re-read per train block.
+        """
+        options = {
+            "damping": damping,
+            "non_kfac_strategy": non_kfac_strategy,
+            "direct_fim_max_params": direct_fim_max_params,
+            "relative_damping": relative_damping,
+            "factor_cache_residency": factor_cache_residency,
+            "covariances_at_capture": covariances_at_capture,
+        }
+        if (
+            preconditioned_test_dir is not None or preconditioned_test_cache_residency is not None
+        ) and not loop_over_test:
+            raise ValueError(
+                "preconditioned_test_dir / preconditioned_test_cache_residency cache the "
+                "preconditioned queries for loop_over_test=True; set loop_over_test=True or drop "
+                "them."
+            )
+        self._start_call(options, layer_name, selected_training_steps)
+        if self._recorded_covariances is not None:
+            self.covariances = dict(self._recorded_covariances)
+        self._use_store_covariances(train_source)
+        self._use_fisher_dir(fisher_dir)
+        meta = {**(algorithm_meta or {}), **self._meta_extra()}
+        kwargs = dict(
+            selected_training_steps=selected_training_steps,
+            layer_name=layer_name,
+            verbose=verbose,
+            loop_over_test=loop_over_test,
+            attribution_granularity=attribution_granularity,
+            fisher_dir=None if fisher_dir is None else str(fisher_dir),
+            **options,
+        )
+        if preconditioned_test_dir is None and preconditioned_test_cache_residency is None:
+            return super().attribute_from_cache(
+                train_source, test_source, algorithm_meta=meta, **kwargs
+            )
+        return self._score_with_cached_queries(
+            train_source,
+            test_source,
+            preconditioned_test_dir,
+            preconditioned_test_cache_residency or "disk",
+            meta,
+            kwargs,
+        )
+
+    def _meta_extra(self) -> dict[str, Any]:
+        """Subclass-specific ``algorithm_meta`` entries (EK-FAC mode)."""
+        return {}
+
+    def _score_with_cached_queries(
+        self,
+        train_source: object,
+        test_source: object,
+        directory: str | None,
+        residency: str,
+        meta: dict[str, Any],
+        kwargs: dict[str, Any],
+    ) -> AttributionScore:
+        """Fit, cache the preconditioned queries into a store, then score against it."""
+        from dattri_llm.gradient.storage_manager import GradientStorageManager
+
+        steps = kwargs["selected_training_steps"]
+        layers = self._fit_settings["layer_name"]
+        train = self.load_train_rep(train_source, steps=steps, layer_name=layers)
+        self._ensure_fit(train)
+        with tempfile.TemporaryDirectory(prefix="dattri_llm_precond_") as tmp:
+            target = directory if directory is not None else f"{tmp}/test"
+            with GradientStorageManager(target, residency=residency) as store:
+                test = self.load_test_rep(test_source, layer_name=layers)
+                self.cache_representations(
+                    test, store, sample_id_key=self.resolve_store(test_source).sample_id_key
+                )
+                self._identity_test = True
+                try:
+                    return super().attribute_from_cache(
+                        train_source, store, algorithm_meta=meta, **kwargs
+                    )
+                finally:
+                    self._identity_test = False
+
+    def fit(  # noqa: D417 - documented in attribution.md §7
+        self,
+        train_gradients_dir: object,
+        fisher_dir: str | None = None,
+        *,
+        selected_training_steps: Iterable[int] | None = None,
+        non_kfac_strategy: str = "ignore",
+        direct_fim_max_params: int = 4096,
+        layer_name: str | list[str] | None = None,
+        verbose: bool = False,
+        covariances: Covariances | None = None,
+        factor_cache_residency: str | None = None,
+        covariances_at_capture: bool = True,
+    ) -> Path:
+        """Fit the damping-free curvature over a train store and persist it; return the dir.
+
+        ``covariances={layer: (A, G)}`` replaces the covariance sweep (EK-FAC:
+        must cover every eligible layer).
+        """
+        self._start_call(
+            {
+                "non_kfac_strategy": non_kfac_strategy,
+                "direct_fim_max_params": direct_fim_max_params,
+                "factor_cache_residency": factor_cache_residency,
+                "covariances_at_capture": covariances_at_capture,
+            },
+            layer_name,
+            selected_training_steps,
+        )
+        self.covariances = None if covariances is None else dict(covariances)
+        self._use_store_covariances(train_gradients_dir)
+        self._verbose = verbose
+        try:
+            source = self.load_train_rep(
+                train_gradients_dir,
+                steps=self._fit_settings["selected_training_steps"],
+                layer_name=self._fit_settings["layer_name"],
+            )
+            self.raw_fit = self.fit_raw(source)
+        finally:
+            self._verbose = False
+        return self.save_fisher(self.raw_fit[0], fisher_dir, fisher=self.raw_fit[1])
+
+    def cache_preconditioned_test(  # noqa: D417 - documented in attribution.md §7
+        self,
+        train_gradients_dir: object,
+        test_gradients_dir: object,
+        preconditioned_test_dir: str | None = None,
+        *,
+        damping: float = 1e-3,
+        selected_training_steps: Iterable[int] | None = None,
+        non_kfac_strategy: str = "ignore",
+        direct_fim_max_params: int = 4096,
+        layer_name: str | list[str] | None = None,
+        verbose: bool = False,
+        relative_damping: bool = False,
+        factor_cache_residency: str | None = None,
+        covariances_at_capture: bool = True,
+    ) -> Path:
+        """Write ``F⁻¹·g_test`` per query to a store; return its directory.
+
+        Default directory ``<output_dir>/<algorithm.lower()>_preconditioned_test``;
+        ``TracInAttributor.attribute_from_cache(train_dir, dir)`` then equals this
+        attributor's score.
+        """
+        from dattri_llm.gradient.storage_manager import GradientStorageManager
+
+        self._start_call(
+            {
+                "damping": damping,
+                "non_kfac_strategy": non_kfac_strategy,
+                "direct_fim_max_params": direct_fim_max_params,
+                "relative_damping": relative_damping,
+                "factor_cache_residency": factor_cache_residency,
+                "covariances_at_capture": covariances_at_capture,
+            },
+            layer_name,
+            selected_training_steps,
+        )
+        self._use_store_covariances(train_gradients_dir)
+        directory = Path(
+            preconditioned_test_dir
+            or Path(self.args.output_dir).expanduser()
+            / f"{self.algorithm.lower()}_preconditioned_test"
+        ).expanduser()
+        layers = self._fit_settings["layer_name"]
+        train = self.load_train_rep(
+            train_gradients_dir,
+            steps=self._fit_settings["selected_training_steps"],
+            layer_name=layers,
+            verbose=verbose,
+        )
+        self._ensure_fit(train)
+        test_store = self.resolve_store(test_gradients_dir)
+        with GradientStorageManager(str(directory)) as store:
+            self.cache_representations(
+                self.load_test_rep(test_gradients_dir, layer_name=layers),
+                store,
+                sample_id_key=test_store.sample_id_key,
+            )
+        return directory
+
+    def attribute(  # noqa: D417 - documented in attribution.md §7
+        self,
+        train_dataset: object,
+        test_dataset: object,
+        *,
+        hook_config: HookManagerConfig | None = None,
+        verbose: bool = False,
+        loop_over_test: bool = False,
+        gradient_cache_residency: str | None = None,
+        attribution_granularity: str = "instance",
+        damping: float = 1e-3,
+        non_kfac_strategy: str = "ignore",
+        direct_fim_max_params: int = 4096,
+        relative_damping: bool = False,
+        factor_cache_residency: str | None = None,
+        covariances_at_capture: bool = True,
+        fisher_dir: str | None = None,
+    ) -> AttributionScore:
+        """Run the model (frozen probes) and score with the fitted curvature.
+
+        Residency ``None`` re-runs the model for each pass (fit, EK-FAC
+        eigenvalues, scoring); otherwise each side is collected once (with
+        ``covariances_at_capture`` a ``KroneckerCovarianceCallback`` on the train
+        collection records ``(A, G)``, saved beside a disk train store).
+        """
+        options = {
+            "damping": damping,
+            "non_kfac_strategy": non_kfac_strategy,
+            "direct_fim_max_params": direct_fim_max_params,
+            "relative_damping": relative_damping,
+            "factor_cache_residency": factor_cache_residency,
+            "covariances_at_capture": covariances_at_capture,
+        }
+        self._start_call(options, None, None)
+        self._collect_covariances = covariances_at_capture and gradient_cache_residency is not None
+        self._recorded = self._recorded_covariances = None
+        if gradient_cache_residency is None:
+            self._use_fisher_dir(fisher_dir)
+        try:
+            return super().attribute(
+                train_dataset,
+                test_dataset,
+                hook_config=hook_config,
+                verbose=verbose,
+                loop_over_test=loop_over_test,
+                gradient_cache_residency=gradient_cache_residency,
+                attribution_granularity=attribution_granularity,
+                **options,
+                fisher_dir=fisher_dir,
+            )
+        finally:
+            self._collect_covariances = False
+            self._recorded = self._recorded_covariances = None
+
+    _collect_covariances: bool = False
+    _recorded: Any = None
+    _recorded_covariances: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def generate_train_rep(self, train_dataset: object, **kwargs: Any) -> Any:
+        """Base train streamer; records covariances at capture during a collection."""
+        streamer = super().generate_train_rep(train_dataset, **kwargs)
+        if self._collect_covariances:
+            from dattri_llm.gradient.callbacks.kronecker_covariance_callback import (
+                KroneckerCovarianceCallback,
+            )
+
+            self._recorded = KroneckerCovarianceCallback()
+            streamer.hook_manager.add_callback(self._recorded)
+        return streamer
+
+    def collect_gradients(self, streamer: Any, store: Any, **kwargs: Any) -> Any:
+        """Base collection; a train collection's covariances are saved beside the store."""
+        recorded = self._recorded if streamer.hook_manager is not None else None
+        result = super().collect_gradients(streamer, store, **kwargs)
+        if recorded is not None and recorded in streamer.hook_manager.callbacks:
+            recorded.all_reduce()
+            covariances = {k: (a.cpu(), g.cpu()) for k, (a, g) in recorded.result().items()}
+            self._recorded_covariances = covariances
+            if store.residency == "disk" and self.args.should_log:
+                torch.save(covariances, Path(store.save_dir) / COVARIANCES_FILE)
+        return result
+
+    def cache(  # noqa: D417 - documented in attribution.md §7
+        self,
+        train_dataset: object,
+        test_dataset: object,
+        *,
+        covariances_at_capture: bool | None = None,
+        **kwargs: Any,
+    ) -> list[tuple[str, str]]:
+        """Collect gradients; with ``covariances_at_capture`` also ``kronecker_covariances.pt``.
+
+        ``None`` keeps the current setting.
+        """
+        previous = self._collect_covariances
+        self._recorded = None
+        if covariances_at_capture is not None:
+            self._collect_covariances = covariances_at_capture
+        elif not previous:
+            self._collect_covariances = self.covariances_at_capture
+        try:
+            return super().cache(train_dataset, test_dataset, **kwargs)
+        finally:
+            self._collect_covariances = previous
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """Move a tensor or a tuple/dict of tensors to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _matmul_checked(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``rows @ inverse`` (symmetric inverse) after checking the width."""
+    if rows.shape[1] != inverse.shape[0]:
+        raise ValueError(
+            f"dense gradients {tuple(rows.shape)} do not match the fitted Fisher "
+            f"{tuple(inverse.shape)}; the fit belongs to another layer set or projection — refit."
+        )
+    dtype = torch.promote_types(rows.dtype, inverse.dtype)
+    return rows.to(dtype) @ inverse.to(dtype)
+
+
+class KFACAttributor(KroneckerAttributor):
+    """K-FAC influence (``algorithm="KFAC"``): ``F_l ≈ A ⊗ G`` per eligible layer.
+
+    Tied weights are scored per use site (cross-site terms dropped).
+    """
+
+    algorithm: ClassVar[str] = "KFAC"
+
+    def fit_factors(
+        self, train_source: GradientSource, fisher_acc: FisherAccumulator
+    ) -> dict[str, Any]:
+        """``{layer: (A, G)}`` from one pass (supplied covariances used as given)."""
+        return self.covariance_pass(train_source, fisher_acc)
+
+    def damp(self, raw_factors: Mapping[str, Any], damping: float) -> dict[str, Any]:
+        """``{layer: ((A+λ_A I)⁻¹, (G+λ_G I)⁻¹)}`` via ``sym_inverse``."""
+        from dattri_llm.gradient.ops.kronecker import damping_for, sym_inverse
+
+        damped = {}
+        for name, (a_cov, g_cov) in raw_factors.items():
+            try:
+                damped[name] = (
+                    sym_inverse(a_cov, damping_for(a_cov, damping, self.relative_damping)),
+                    sym_inverse(g_cov, damping_for(g_cov, damping, self.relative_damping)),
+                )
+            except ValueError as error:
+                raise _layer_error(name, error) from None
+        return damped
+
+    def precondition_test_layer(self, value: Any, layer_type: str, factors: Any) -> Any:
+        """``G⁻¹·dW·A⁻¹``: final factors for a factorized layer, dense for a dense one."""
+        from dattri_llm.gradient.gradient import Factorized
+        from dattri_llm.gradient.ops.kronecker import (
+            kfac_precondition,
+            kfac_precondition_materialized,
+        )
+        from dattri_llm.gradient.ops.types import is_conv_transpose
+
+        a_inv, g_inv = factors
+        if isinstance(value, torch.Tensor):
+            if is_conv_transpose(layer_type):  # layout (K, D): A⁻¹·dW·G⁻¹
+                return kfac_precondition_materialized(value, g_inv, a_inv)
+            return kfac_precondition_materialized(value, a_inv, g_inv)
+        wa, wg = kfac_precondition(value, layer_type, a_inv, g_inv)
+        return Factorized(wa, wg, None)
+
+
+class EKFACAttributor(KroneckerAttributor):
+    """EK-FAC influence (``algorithm="EKFAC"``): K-FAC eigenbases with corrected eigenvalues.
+
+    ``mode="exact"`` rotates materialized train gradients, ``"approx"`` rotates
+    the factors before materializing; both give identical scores and the mode
+    is recorded with a persisted fit. Tied weights are scored per use site.
+    """
+
+    algorithm: ClassVar[str] = "EKFAC"
+    EKFAC_MODES: ClassVar[tuple[str, ...]] = EKFAC_MODES
+
+    def __init__(
+        self, args: AttributionArguments, *, task: object | None = None, mode: str = "exact"
+    ) -> None:
+        if mode not in EKFAC_MODES:
+            raise ValueError(f"EKFACAttributor mode must be one of {EKFAC_MODES}, got {mode!r}.")
+        super().__init__(args, task=task)
+        self.mode = mode
+
+    def fit_meta(self) -> dict[str, Any]:
+        """Base settings plus the EK-FAC ``mode``."""
+        return {**super().fit_meta(), "mode": self.mode}
+
+    def _meta_extra(self) -> dict[str, Any]:
+        return {"mode": self.mode}
+
+    def fit_factors(
+        self, train_source: GradientSource, fisher_acc: FisherAccumulator
+    ) -> dict[str, Any]:
+        """``{layer: {"U_A", "U_G", "lam"}}``: covariance pass, ``eigh``, eigenvalue pass."""
+        from dattri_llm.gradient.ops.kronecker import kfac_eigh
+
+        if self.covariances is not None:
+            self._check_covering(train_source)
+        covariances = self.covariance_pass(train_source, fisher_acc)
+        bases = {}
+        for name, (a_cov, g_cov) in covariances.items():
+            _, u_a, _, u_g = kfac_eigh(a_cov, g_cov)
+            bases[name] = (u_a, u_g)
+        sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        for _step, block, _ids in train_source:
+            for name in block.data:
+                if name not in bases:
+                    continue
+                coords = self._eigen_coordinates(block, name, *bases[name])
+                squared = (coords**2).sum(dim=0)
+                sums[name] = squared if name not in sums else sums[name] + squared.to(sums[name])
+                counts[name] = counts.get(name, 0) + coords.shape[0]
+        from dattri_llm.utils.distributed import all_reduce_sum
+
+        factors = {}
+        for name in sorted(sums):
+            count = torch.tensor([float(counts[name])], dtype=torch.float64)
+            all_reduce_sum(sums[name])
+            all_reduce_sum(count)
+            u_a, u_g = bases[name]
+            factors[name] = {"U_A": u_a, "U_G": u_g, "lam": sums[name] / float(count)}
+        return factors
+
+    def _check_covering(self, train_source: GradientSource) -> None:
+        """Supplied covariances must cover every eligible layer (``ValueError``)."""
+        from dattri_llm.gradient.ops.types import is_kfac_eligible
+
+        for _step, block, _ids in train_source:
+            missing = [
+                n
+                for n, t in block.layer_types.items()
+                if is_kfac_eligible(t) and self.covariances_for(n) is None
+            ]
+            if missing:
+                raise ValueError(
+                    f"EKFACAttributor: supplied covariances cover {sorted(self.covariances)} "
+                    f"but eligible layers {missing} have none; record every K-FAC layer "
+                    "(KroneckerCovarianceCallback) or fit without covariances."
+                )
+            return
+
+    def _eigen_coordinates(
+        self, block: Gradient, name: str, u_a: torch.Tensor, u_g: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-sample ``vec(U_Gᵀ dW U_A)`` ``(B, D·K)`` of one block layer."""
+        from dattri_llm.gradient.ops.kronecker import ekfac_materialize
+        from dattri_llm.gradient.ops.materialize import materialize
+
+        value, layer_type = block.data[name], block.layer_types[name]
+        if isinstance(value, torch.Tensor):
+            value = _dense_rows(value)
+        elif self.mode == "exact":
+            value = materialize(value, layer_type)
+        device = value.device if isinstance(value, torch.Tensor) else value.activation.device
+        try:
+            return ekfac_materialize(value, layer_type, u_a.to(device), u_g.to(device))
+        except ValueError as error:
+            raise _layer_error(name, error) from None
+
+    def damp(self, raw_factors: Mapping[str, Any], damping: float) -> dict[str, Any]:
+        """``{layer: (U_A, U_G, Λ + λ)}`` with ``λ = damping`` or ``damping·mean(Λ)``."""
+        damped = {}
+        for name, raw in raw_factors.items():
+            lam = raw["lam"]
+            shift = damping * float(lam.mean()) if self.relative_damping else damping
+            shifted = lam + shift
+            if not bool(torch.isfinite(shifted).all()) or float(shifted.min()) <= 0:
+                raise ValueError(
+                    f"layer {name!r}: the corrected eigenvalues Λ+λ reach "
+                    f"{float(shifted.min()):.3e} with damping={damping} (singular curvature); "
+                    "use damping > 0 or relative_damping=True."
+                )
+            damped[name] = (raw["U_A"], raw["U_G"], shifted)
+        return damped
+
+    def precondition_test_layer(self, value: Any, layer_type: str, factors: Any) -> Any:
+        """``U_G((U_Gᵀ dW U_A)/(Λ+λ))U_Aᵀ`` as a dense ``(B, d)`` block."""
+        from dattri_llm.gradient.ops.kronecker import ekfac_materialize, ekfac_precondition
+
+        u_a, u_g, lam = factors
+        coords = ekfac_materialize(value, layer_type, u_a, u_g)
+        return ekfac_precondition(coords, u_a, u_g, lam, layer_type)

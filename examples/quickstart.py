@@ -38,7 +38,7 @@ from quickstart_corpus import CORPUS, QUERIES  # noqa: E402
 
 SEED = 0
 MAX_LEN = 16
-EPOCHS = 20
+EPOCHS = 12
 BATCH_SIZE = 16
 LEARNING_RATE = 1e-2
 

@@ -314,10 +314,14 @@ class BaseInnerProductAttributor(BaseAttributor):
         """Save ``transform(block).materialize()`` (CPU) of each block as one per-batch record.
 
         ``transform`` defaults to :meth:`transform_test_rep`; records keep the
-        block's step and identifiers.
+        block's step and identifiers. A known projection of ``source`` is
+        declared to ``store`` (the representations live in the same basis).
         """
         from dattri_llm.gradient.gradient import GradientRecord
 
+        projection = attribution_utils.source_projection(source)
+        if projection is not None:
+            store.declare_projection(projection)
         transform = transform or self.transform_test_rep
         for step, block, ids in source:
             rep = transform(block).materialize().to(device="cpu")

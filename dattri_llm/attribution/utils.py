@@ -27,6 +27,14 @@ if TYPE_CHECKING:
 
 LR_SCHEDULE_FILE = "lr_schedule.json"
 PARAM_GRAD_TYPE = "param_grad_layers"
+_COMPARED_PROJECTION_KEYS = (
+    "style",
+    "proj_dim",
+    "proj_seed",
+    "proj_type",
+    "include_bias",
+    "projector",
+)
 
 ScoreResult = tuple[torch.Tensor, list[str], list[int], list[str], "list[int] | None"]
 
@@ -62,7 +70,8 @@ def collect_gradients(
     ``offload_interval`` records are written together (through an
     ``AsyncGradientWriter`` when ``async_write``, default
     ``args.async_disk_write``). ``on_block(step, grad, ids)`` sees each block
-    before it is saved.
+    before it is saved. The streamer's capture projection is declared to the
+    store first (a store declaring another projection → ``ValueError``).
     """
     from dattri_llm.gradient.async_writer import AsyncGradientWriter
     from dattri_llm.gradient.gradient import GradientRecord
@@ -72,6 +81,8 @@ def collect_gradients(
     if async_write is None:
         async_write = bool(streamer.args.async_disk_write)
     sample_id_key = streamer.hook_manager.sample_id_key
+    config = streamer.hook_manager.config
+    store.declare_projection(config.projection_kwargs, config.projector)
     writer = AsyncGradientWriter(store) if async_write else None
     write = writer.submit if writer is not None else store.save_bulk
     staged: list[GradientRecord] = []
@@ -211,12 +222,74 @@ def _describe(signature: tuple) -> str:
     return f"{label} widths {widths} dtype {dtype}"
 
 
-def check_layer_compatibility(train: Gradient, test: Gradient, layers: Iterable[str]) -> None:
-    """Raise ``ValueError`` when a shared layer differs in width or dtype between the sides.
+def source_projection(source: object) -> dict[str, dict] | None:
+    """Capture projection record of a gradient source (see ``storage_manager.projection_record``).
 
-    Only layers stored in the same form (dense, raw factors or final factors)
-    are compared; mixed forms (e.g. a preconditioned dense train side against
-    raw test factors) are left to the kernels, which check materialized widths.
+    A store-backed source (``file_manager``) gives its store's declaration, a
+    live source (``hook_manager``) its manager's config; ``None`` = unknown.
+    """
+    from dattri_llm.gradient.storage_manager import projection_record
+
+    store = getattr(source, "file_manager", None)
+    if store is not None:
+        return store.projection
+    manager = getattr(source, "hook_manager", None)
+    if manager is not None:
+        return projection_record(manager.config.projection_kwargs, manager.config.projector)
+    return None
+
+
+def _layer_projection(record: Mapping[str, dict], name: str) -> dict | None:
+    """Compared settings of layer ``name`` (``name@k`` → ``name``), else ``"__default__"``."""
+    from dattri_llm.gradient.gradient import base_layer_name
+
+    entry = record.get(base_layer_name(name), record.get("__default__"))
+    if entry is None:
+        return None
+    return {key: entry[key] for key in _COMPARED_PROJECTION_KEYS if key in entry}
+
+
+def _describe_projection(settings: dict | None) -> str:
+    if settings is None:
+        return "unprojected"
+    return ", ".join(f"{key}={value!r}" for key, value in settings.items())
+
+
+def _check_projection(
+    name: str, train_projection: Mapping[str, dict], test_projection: Mapping[str, dict]
+) -> None:
+    """Raise ``ValueError`` when layer ``name`` was projected differently on the two sides."""
+    on_train = _layer_projection(train_projection, name)
+    on_test = _layer_projection(test_projection, name)
+    if on_train == on_test:
+        return
+    raise ValueError(
+        f"layer {name!r}: train gradients were captured with projection "
+        f"({_describe_projection(on_train)}) but test gradients with projection "
+        f"({_describe_projection(on_test)}); their inner products are meaningless. Capture both "
+        "sides with the same projection_kwargs (style, proj_dim, proj_seed, proj_type, "
+        "include_bias) and projector"
+    )
+
+
+def check_layer_compatibility(
+    train: Gradient,
+    test: Gradient,
+    layers: Iterable[str],
+    *,
+    train_projection: Mapping[str, dict] | None = None,
+    test_projection: Mapping[str, dict] | None = None,
+) -> None:
+    """Raise ``ValueError`` when a shared layer differs between the sides.
+
+    Widths and dtypes are compared for layers stored in the same form (dense,
+    raw factors or final factors); mixed forms (e.g. a preconditioned dense
+    train side against raw test factors) are left to the kernels, which check
+    materialized widths. When both projection records are known (see
+    `source_projection`), each layer's settings (its own entry, else
+    ``"__default__"``, else unprojected) must agree in ``style``,
+    ``proj_dim``, ``proj_seed``, ``proj_type``, ``include_bias`` and
+    ``projector``.
     """
     for name in layers:
         sig_train = _layer_signature(train, name)
@@ -227,6 +300,8 @@ def check_layer_compatibility(train: Gradient, test: Gradient, layers: Iterable[
                 f"({_describe(sig_test)}) are incompatible; capture both sides from the same "
                 "model with the same hook config, projection (proj_dim, proj_seed) and dtype"
             )
+        if train_projection is not None and test_projection is not None:
+            _check_projection(name, train_projection, test_projection)
 
 
 def per_sample_layers(block: Gradient) -> list[str]:
@@ -331,6 +406,7 @@ class _ScoringPass:
     def __init__(
         self,
         attributor: BaseInnerProductAttributor,
+        train_source: GradientSource,
         test_source: GradientSource,
         *,
         loop_over_test: bool,
@@ -346,6 +422,10 @@ class _ScoringPass:
         self.columns = _TestColumns()
         self.audit = _LayerAudit()
         self.held_tests: list[tuple[Gradient, Gradient, torch.Tensor, torch.Tensor]] | None = None
+        self.projections = {
+            "train_projection": source_projection(train_source),
+            "test_projection": source_projection(test_source),
+        }
 
     def _prepared_tests(self) -> Iterator[tuple[Gradient, Gradient, torch.Tensor, torch.Tensor]]:
         """Yield ``(raw block, transformed rep, kept rows, columns)`` for each test block."""
@@ -383,7 +463,7 @@ class _ScoringPass:
         with TensorCache("memory", budget=CacheBudget(self.device)) as dense_cache:
             for test_block, test_rep, keep, cols in self.tests():
                 layers = self.audit.record(set(block.layer_names), set(test_block.layer_names))
-                check_layer_compatibility(block, test_block, layers)
+                check_layer_compatibility(block, test_block, layers, **self.projections)
                 values = self._pair_scores(rep, test_rep, dense_cache)
                 tokens = values.shape[1] if self.token_level else 1
                 values = values.reshape(-1, values.shape[-1])
@@ -433,6 +513,7 @@ def score_sources(
         )
     scoring = _ScoringPass(
         attributor,
+        train_source,
         test_source,
         loop_over_test=loop_over_test,
         transform_test=transform_test or attributor.transform_test_rep,

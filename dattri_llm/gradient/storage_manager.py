@@ -494,7 +494,7 @@ def _projector_name(projector: Any) -> str | None:
     from dattri_llm.gradient.ops.projection import DattriProjector
 
     if isinstance(projector, DattriProjector):
-        projector = projector._factory  # None until the default factory is resolved
+        projector = projector.factory
     if projector is None:
         return None
     named = projector if hasattr(projector, "__qualname__") else type(projector)
@@ -523,7 +523,7 @@ def _resolve_layer_projection(proj_kwargs: Mapping[str, Any], projector: str | N
     if entry["style"] != "mask":  # masks gather exact entries: no projector involved
         if projector is not None:
             entry["projector"] = projector
-        else:
+        if "projector" not in entry:
             entry.setdefault("proj_type", "normal")  # the default factory's default
     return entry
 
@@ -546,6 +546,7 @@ def projection_record(
         (non-``"mask"``) styles either ``"projector"`` (the factory's
         ``module.qualname`` when it is not the default factory) or
         ``proj_type`` (default ``"normal"``). ``{}`` for an unprojected capture.
+        Resolving a record again returns it unchanged.
     """
     if not projection_kwargs:
         return {}
@@ -680,9 +681,10 @@ class GradientStorageManager:
 
     @property
     def projection(self) -> dict[str, dict] | None:
-        """Declared capture projection ``{name or "__default__": settings}`` (see `projection_record`).
+        """Declared capture projection ``{name or "__default__": settings}``.
 
-        ``{}`` = declared unprojected; ``None`` = never declared (unknown).
+        Resolved by `projection_record`; ``{}`` = declared unprojected, ``None``
+        = never declared (unknown).
         """
         return self._projection
 

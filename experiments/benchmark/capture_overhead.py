@@ -26,14 +26,19 @@ probe* (zero_grad, forward, backward; no optimizer step, as in attribution of a 
 model). Configurations are interleaved over ``--rounds`` rounds (warm-up steps at the
 start of each round) so that load drift on a shared machine hits every row alike.
 
-Time: median wall time per step over all timed steps. Memory: growth of the process's
-peak resident set during one step (``VmHWM``, reset through ``/proc/self/clear_refs``
-before the step, minus ``VmRSS`` before the step); the median over the timed steps is
-reported. glibc's mmap threshold is pinned at 128 KiB so large tensors are mapped fresh
-and unmapped on free. The last column is the time spent leaving ``collect()`` (flushing
+Time: median wall and process-CPU time per step over all timed steps. Memory, in a
+separate pass before the timing (``--memory-steps`` steps per configuration, after the
+warm-up): growth of the process's peak resident set during one step (``VmHWM``, reset
+through ``/proc/self/clear_refs`` before the step, minus ``VmRSS`` before the step),
+median over the measured steps. For that pass only, glibc's mmap threshold is pinned at
+128 KiB so large tensors are mapped fresh and unmapped on free (this slows every large
+allocation); the memory pass runs first, on a fresh heap, and the timing after it with
+the threshold at glibc's 32 MiB ceiling (the steady state of its dynamic threshold).
+The last column is the time spent leaving ``collect()`` (flushing
 the staged records and draining the async writer), once per round, not in the step time.
 
-Usage: ``python experiments/benchmark/capture_overhead.py [--out PATH] [--steps 20]``.
+Usage: ``python experiments/benchmark/capture_overhead.py [--out PATH] [--steps N]
+[--rounds R] [--warmup W] [--memory-steps M] [--threads T]``.
 """
 
 from __future__ import annotations
@@ -82,21 +87,22 @@ class Setup:
 
 @dataclass
 class Measurements:
-    """Per-step seconds and peak-extra MiB, and context-exit seconds per round."""
+    """Per-step wall/CPU seconds and peak-extra MiB, and context-exit seconds per round."""
 
     seconds: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)
     peak_mib: list[float] = field(default_factory=list)
     exit_seconds: list[float] = field(default_factory=list)
 
 
-def pin_glibc_mmap_threshold() -> None:
-    """Serve every allocation above 128 KiB by ``mmap`` and unmap it on free."""
+def pin_glibc_mmap_threshold(nbytes: int) -> None:
+    """Serve every allocation above ``nbytes`` by ``mmap`` and unmap it on free."""
     import ctypes
     import ctypes.util
 
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     m_mmap_threshold = -3
-    libc.mallopt(m_mmap_threshold, 128 * 1024)
+    libc.mallopt(m_mmap_threshold, nbytes)
 
 
 def _status_kb(name: str) -> int:
@@ -132,8 +138,9 @@ def capture_offload(async_write: bool) -> Callable[[nn.Module, str], HookManager
             recording_type="per_batch",
             async_write=async_write,
         )
-        return HookManager(model, config=HookManagerConfig(linear_io=REGISTER_ALL),
-                           callbacks=[offload])
+        return HookManager(
+            model, config=HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[offload]
+        )
 
     return make
 
@@ -165,8 +172,9 @@ def build_model() -> nn.Module:
 def make_batches(n: int) -> list[torch.Tensor]:
     """``n`` distinct random token batches ``(BATCH, SEQ)``."""
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(0, MODEL_CONFIG["vocab_size"], (BATCH, SEQ), generator=gen)
-            for _ in range(n)]
+    return [
+        torch.randint(0, MODEL_CONFIG["vocab_size"], (BATCH, SEQ), generator=gen) for _ in range(n)
+    ]
 
 
 def one_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, ids: torch.Tensor):
@@ -178,49 +186,69 @@ def one_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, ids: tor
 
 
 def timed_step(model, optimizer, ids) -> tuple[float, float]:
-    """Run one step; return (seconds, peak extra MiB)."""
+    """Run one step; return (wall seconds, process CPU seconds)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    one_step(model, optimizer, ids)
+    return time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def memory_step(model, optimizer, ids) -> float:
+    """Run one step; return its peak extra resident memory in MiB (``VmHWM - VmRSS``)."""
     Path("/proc/self/clear_refs").write_text("5")
     base_kb = _status_kb("VmRSS")
-    start = time.perf_counter()
     one_step(model, optimizer, ids)
-    seconds = time.perf_counter() - start
-    return seconds, max(_status_kb("VmHWM") - base_kb, 0) / 1024
+    return max(_status_kb("VmHWM") - base_kb, 0) / 1024
 
 
-def run_round(setup: Setup, model, optimizer, batches, warmup: int, tmp: str,
-              out: Measurements) -> None:
-    """Warm up, then time ``len(batches) - warmup`` steps of one configuration."""
+def run_round(
+    setup: Setup, model, optimizer, batches, tmp: str, step_fn: Callable
+) -> tuple[list, float | None]:
+    """``step_fn`` over ``batches`` under one configuration: (per-step results, exit s)."""
     manager = setup.make_manager(model, tmp)
+    if manager is None:
+        return [step_fn(model, optimizer, ids) for ids in batches], None
     try:
-        if manager is None:
-            steps = [timed_step(model, optimizer, ids) for ids in batches]
-        else:
-            with manager.collect():
-                steps = [timed_step(model, optimizer, ids) for ids in batches]
-                exit_start = time.perf_counter()
-            out.exit_seconds.append(time.perf_counter() - exit_start)
+        with manager.collect():
+            steps = [step_fn(model, optimizer, ids) for ids in batches]
+            exit_start = time.perf_counter()
+        return steps, time.perf_counter() - exit_start
     finally:
-        if manager is not None:
-            manager.remove()
-    for seconds, peak in steps[warmup:]:
-        out.seconds.append(seconds)
-        out.peak_mib.append(peak)
+        manager.remove()
 
 
-def run(mode: str, steps: int, warmup: int, rounds: int) -> dict[str, Measurements]:
-    """Interleave every applicable configuration over ``rounds`` rounds for one mode."""
-    model = build_model()
+def run(
+    mode: str,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    results: dict[str, Measurements],
+    measure: str,
+) -> None:
+    """Interleave the configurations in ``results`` over ``rounds`` rounds for one mode.
+
+    ``mode``: ``"train"`` or ``"frozen"``; ``measure``: ``"time"`` or ``"memory"``
+    (appended to ``results``).
+    """
+    model = build_model() if mode == "train" else build_model().eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR) if mode == "train" else None
     batches = make_batches(warmup + steps)
-    setups = [s for s in SETUPS if s.trains or mode == "frozen"]
-    results = {s.name: Measurements() for s in setups}
+    setups = [s for s in SETUPS if s.name in results]
+    timing = measure == "time"
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for setup in setups if r % 2 == 0 else reversed(setups):
-                run_round(setup, model, optimizer, batches, warmup, tmp, results[setup.name])
-                ms = statistics.median(results[setup.name].seconds) * 1e3
+                out = results[setup.name]
+                step_fn = timed_step if timing else memory_step
+                measured, exit_seconds = run_round(setup, model, optimizer, batches, tmp, step_fn)
+                if not timing:
+                    out.peak_mib += measured[warmup:]
+                    continue
+                out.seconds += [wall for wall, _ in measured[warmup:]]
+                out.cpu_seconds += [cpu for _, cpu in measured[warmup:]]
+                if exit_seconds is not None:
+                    out.exit_seconds.append(exit_seconds)
+                ms = statistics.median(out.seconds) * 1e3
                 print(f"[{mode}] round {r} {setup.name}: median so far {ms:.1f} ms", flush=True)
-    return results
 
 
 def machine_description() -> str:
@@ -238,22 +266,32 @@ def machine_description() -> str:
 def table(results: dict[str, Measurements]) -> list[str]:
     """Markdown rows: absolute medians and ratios vs ``no hooks``."""
     base = results["no hooks"]
-    base_s = statistics.median(base.seconds)
-    base_mib = statistics.median(base.peak_mib)
+    base_s, base_cpu, base_mib = (
+        statistics.median(v) for v in (base.seconds, base.cpu_seconds, base.peak_mib)
+    )
     lines = [
-        "| configuration | ms / step | x no hooks | peak extra MiB / step | x no hooks "
-        "| collect() exit ms |",
-        "|:--|---:|---:|---:|---:|---:|",
+        "| configuration | wall ms / step | x no hooks | CPU ms / step | x no hooks "
+        "| peak extra MiB / step | x no hooks | collect() exit ms |",
+        "|:--|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, m in results.items():
-        s = statistics.median(m.seconds)
-        mib = statistics.median(m.peak_mib)
+        s, cpu, mib = (statistics.median(v) for v in (m.seconds, m.cpu_seconds, m.peak_mib))
         exit_ms = f"{statistics.median(m.exit_seconds) * 1e3:.1f}" if m.exit_seconds else "–"
         lines.append(
-            f"| {name} | {s * 1e3:.1f} | {s / base_s:.2f} | {mib:.1f} | "
-            f"{mib / base_mib:.2f} | {exit_ms} |"
+            f"| {name} | {s * 1e3:.1f} | {s / base_s:.2f} | {cpu * 1e3:.1f} | "
+            f"{cpu / base_cpu:.2f} | {mib:.1f} | {mib / base_mib:.2f} | {exit_ms} |"
         )
     return lines
+
+
+def layer_counts() -> str:
+    """'N parameterized modules (a Embedding, b LayerNorm, c Linear)' of the model."""
+    counts: dict[str, int] = {}
+    for module in build_model().modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    parts = ", ".join(f"{n} `{t}`" for t, n in sorted(counts.items()))
+    return f"{sum(counts.values())} parameterized modules ({parts})"
 
 
 def write_markdown(train: dict, frozen: dict, args, out: Path, elapsed: float) -> None:
@@ -272,21 +310,29 @@ def write_markdown(train: dict, frozen: dict, args, out: Path, elapsed: float) -
         "tokens, loss `model(input_ids, labels=input_ids).loss`. GPT-NeoX (not GPT-2) "
         "because its projections are `nn.Linear`, which invasive capture needs (GPT-2 uses "
         "HF `Conv1D`); all rows use this model.",
-        f"- Time: median wall time per step over {n_timed} timed steps ({args.rounds} "
-        f"interleaved rounds of {args.steps}, each after {args.warmup} warm-up steps).",
-        "- Memory: peak extra host memory per step = `VmHWM` (reset through "
+        f"- Time: median per step over {n_timed} timed steps ({args.rounds} interleaved "
+        f"rounds of {args.steps}, each after {args.warmup} warm-up steps). `wall`: "
+        "`time.perf_counter`; `CPU`: `time.process_time` (all threads of the process, "
+        "including the async writer's), less sensitive to other jobs on a shared machine. "
+        f"torch runs with {args.threads} intra-op thread(s) (`--threads`) to avoid "
+        "oversubscribing the shared cores.",
+        "- Memory (separate pass before the timing, "
+        f"{args.memory_steps} steps per configuration after {args.warmup} warm-up steps): "
+        "peak extra host memory per step = `VmHWM` (reset through "
         "`/proc/self/clear_refs` before the step) minus `VmRSS` before the step, median "
-        "over the timed steps. It covers activations, gradients, optimizer temporaries and "
+        "over the measured steps. It covers activations, gradients, optimizer temporaries and "
         "the step's captures; memory already resident before the step (weights, AdamW "
-        "state, the previous step's kept record) is not counted. glibc's mmap threshold "
-        "is pinned at 128 KiB; small heap-recycled allocations are not counted.",
+        "state, the previous step's kept record) is not counted. In this pass glibc's mmap "
+        "threshold is pinned at 128 KiB (every large tensor mapped fresh, unmapped on "
+        "free); small heap-recycled allocations are not counted. The timing runs after it "
+        "with the threshold at 32 MiB (glibc's ceiling for its dynamic threshold).",
         "- `collect() exit`: time to leave the capture context (OffloadCallback flushes "
         "the staged record and drains/closes the async writer), once per round; not part "
         "of the step time.",
-        "- Capture rows: `linear_io=REGISTER_ALL` hooks all 27 parameterized modules "
-        "(embedding, 9 LayerNorms, 17 `nn.Linear`); `nn.Linear only` and invasive hook "
-        "the 17 `nn.Linear` modules. Offload: `OffloadCallback(offload_interval=1, "
-        "recording_type=\"per_batch\")` into a fresh on-disk (memmap) "
+        f"- Capture rows: `linear_io=REGISTER_ALL` hooks all {layer_counts()}; "
+        "`nn.Linear only` and invasive hook the `Linear` modules. Offload: "
+        "`OffloadCallback(offload_interval=1, "
+        'recording_type="per_batch")` into a fresh on-disk (memmap) '
         "`GradientStorageManager` in a temporary directory.",
         "",
         "## Training step (zero_grad + forward + backward + AdamW.step)",
@@ -310,12 +356,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "capture_overhead.md")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per round")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--memory-steps", type=int, default=5, help="steps of the memory pass")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
-    pin_glibc_mmap_threshold()
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    train = run("train", args.steps, args.warmup, args.rounds)
-    frozen = run("frozen", args.steps, args.warmup, args.rounds)
+    train = {s.name: Measurements() for s in SETUPS if s.trains}
+    frozen = {s.name: Measurements() for s in SETUPS}
+    # Memory first, on a fresh heap (after the timing its freed pages would be reused).
+    pin_glibc_mmap_threshold(128 * 1024)
+    run("train", args.memory_steps, args.warmup, 1, train, "memory")
+    run("frozen", args.memory_steps, args.warmup, 1, frozen, "memory")
+    pin_glibc_mmap_threshold(32 * 2**20)  # glibc's dynamic-threshold ceiling on 64-bit
+    run("train", args.steps, args.warmup, args.rounds, train, "time")
+    run("frozen", args.steps, args.warmup, args.rounds, frozen, "time")
     write_markdown(train, frozen, args, args.out, time.perf_counter() - start)
     print(f"wrote {args.out}")
 

@@ -43,19 +43,17 @@ print(score.agnostic_matrix()[1])  # (num_train, num_val) influence scores
 """
 
 
-@pytest.fixture
-def facade(monkeypatch):
-    """Provide the top-level names if the package facade does not export them yet."""
+def test_package_exports_the_snippet_names():
     from dattri_llm.attribution.algorithm.tracin import TracInAttributor
     from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.task import AttributionTask
 
-    for obj in (AttributionArguments, AttributionTask, TracInAttributor):
-        if not hasattr(dattri_llm, obj.__name__):
-            monkeypatch.setattr(dattri_llm, obj.__name__, obj, raising=False)
+    assert dattri_llm.TracInAttributor is TracInAttributor
+    assert dattri_llm.AttributionArguments is AttributionArguments
+    assert dattri_llm.AttributionTask is AttributionTask
 
 
-def test_readme_snippet_runs(facade, tmp_path, monkeypatch, capsys):
+def test_readme_snippet_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"torch": torch}
     exec(textwrap.dedent(SETUP) + textwrap.dedent(README), namespace)  # noqa: S102

@@ -538,3 +538,175 @@ def test_cache_representations_and_utils(mlp_setup, tmp_path):
         normalize_layer_names([])
     with pytest.raises(ValueError, match="offload_interval"):
         collect_gradients(object(), dense, offload_interval=0)
+
+
+# ------------------------------------------------------------------ projection records
+
+
+def _logra(seed: int, proj_dim: int = 4) -> dict:
+    return {"__default__": {"style": "logra", "proj_dim": proj_dim, "proj_seed": seed}}
+
+
+def _capture_store(path, model, data, projection_kwargs, *, capture_style="factorized"):
+    """Capture ``data`` (batches of 2) with HookManager + OffloadCallback into a disk store."""
+    from dattri_llm.gradient.callbacks.offload_callback import OffloadCallback
+    from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
+    from dattri_llm.gradient.hooks.manager import HookManager
+
+    store = GradientStorageManager(str(path))
+    config = HookManagerConfig(
+        linear_io=REGISTER_ALL, projection_kwargs=projection_kwargs, capture_style=capture_style
+    )
+    offload = OffloadCallback(offload_interval=2, file_manager=store)
+    manager = HookManager(model, config=config, callbacks=[offload])
+    x, y = data
+    with manager.collect(deregister_on_exit=True):
+        for start in range(0, x.shape[0], 2):
+            model.zero_grad()
+            mlp_loss(model, (x[start : start + 2], y[start : start + 2])).backward()
+    return store
+
+
+def _logra_reference(ref: dict, model, seed: int, proj_dim: int = 4) -> dict:
+    """Per-sample ``P_gᵀ dW P_a`` (``P_g`` seeded ``seed``, ``P_a`` ``seed + 1`` on ``[a, 1]``)."""
+    from dattri_llm.gradient.ops.projection import DattriProjector
+
+    projector = DattriProjector()
+    out = {}
+    for name in MLP_LAYERS:
+        layer = getattr(model, name)
+        d_out, d_in = layer.out_features, layer.in_features + 1
+        kw = {"proj_dim": proj_dim, "device": "cpu", "dtype": torch.float64}
+        p_g = projector.matrix(d_out, proj_seed=seed, **kw)
+        p_a = projector.matrix(d_in, proj_seed=seed + 1, **kw)
+        dw = ref[name].double().reshape(-1, d_out, d_in)
+        out[name] = (p_g.T @ dw @ p_a).reshape(dw.shape[0], -1)
+    return out
+
+
+def test_projection_seed_mismatch_is_refused(mlp_setup, tmp_path):
+    from dattri_llm.utils.hashing import hash_batch
+
+    s = mlp_setup
+    model = s["model"]
+    _capture_store(tmp_path / "tr0", model, s["train"], _logra(0))
+    _capture_store(tmp_path / "te0", model, s["test"], _logra(0))
+    _capture_store(tmp_path / "te1", model, s["test"], _logra(1))
+    attributor = TracInAttributor(make_args(tmp_path))
+    # equal widths (4 x 4 final factors on both sides): only the record tells them apart
+    with pytest.raises(ValueError, match=r"layer 'fc1'.*proj_seed=0.*proj_seed=1.*proj_seed"):
+        attributor.attribute_from_cache(tmp_path / "tr0", tmp_path / "te1")
+    score = attributor.attribute_from_cache(tmp_path / "tr0", tmp_path / "te0")
+    expected = dense_gram(
+        _logra_reference(s["ref_train"], model, 0), _logra_reference(s["ref_test"], model, 0)
+    )
+    check_close(score.scores, expected.float())
+    assert score.row_train_ids == hash_batch({"_arg0": s["train"][0]}, N_TRAIN)
+
+
+def test_projection_style_mismatch_is_refused(mlp_setup, tmp_path):
+    s = mlp_setup
+    model = s["model"]
+    dense = {"__default__": {"style": "dense", "proj_dim": 4}}
+    mask = {"__default__": {"style": "mask", "proj_dim": 4}}
+    _capture_store(tmp_path / "dense", model, s["train"], dense)
+    _capture_store(tmp_path / "mask", model, s["test"], mask)
+    attributor = TracInAttributor(make_args(tmp_path))
+    with pytest.raises(ValueError, match=r"layer 'fc1'.*style='dense'.*style='mask'"):
+        attributor.attribute_from_cache(tmp_path / "dense", tmp_path / "mask")
+
+
+def test_projected_against_unprojected_is_refused(mlp_setup, tmp_path):
+    s = mlp_setup
+    model = s["model"]
+    mask = {"__default__": {"style": "mask", "proj_dim": 4}}
+    _capture_store(tmp_path / "mask", model, s["test"], mask)
+    _capture_store(tmp_path / "dense", model, s["train"], None, capture_style="materialized")
+    _capture_store(tmp_path / "raw", model, s["train"], None)
+    attributor = TracInAttributor(make_args(tmp_path))
+    # both sides dense: the width check names the layer and both widths
+    with pytest.raises(ValueError, match=r"layer 'fc1'.*\(25,\).*\(4,\)"):
+        attributor.attribute_from_cache(tmp_path / "dense", tmp_path / "mask")
+    # raw factors against a dense mask: the projection record names both settings
+    with pytest.raises(ValueError, match=r"layer 'fc1'.*\(unprojected\).*style='mask'"):
+        attributor.attribute_from_cache(tmp_path / "raw", tmp_path / "mask")
+
+
+def test_virtual_and_per_layer_projection_entries(tmp_path):
+    from dattri_llm.attribution.utils import check_layer_compatibility
+    from dattri_llm.gradient.storage_manager import projection_record
+
+    x = torch.randn(2, 4)
+    grad = Gradient(
+        {"fc1": "materialized", "fc1@2": "materialized"},
+        {"fc1": x, "fc1@2": x},
+        {"fc1": "nn.Linear", "fc1@2": "nn.Linear"},
+    )
+    per_layer = projection_record({"fc1": _logra(0)["__default__"], "__default__": {"proj_dim": 9}})
+    default = projection_record(_logra(0))
+    check_layer_compatibility(
+        grad, grad, ["fc1", "fc1@2"], train_projection=per_layer, test_projection=default
+    )
+    with pytest.raises(ValueError, match=r"layer 'fc1@2'.*proj_seed=1.*proj_seed=0"):
+        check_layer_compatibility(
+            grad,
+            grad,
+            ["fc1@2"],
+            train_projection=projection_record(_logra(1)),
+            test_projection=default,
+        )
+    # an undeclared side (None) is not checked
+    check_layer_compatibility(grad, grad, ["fc1"], train_projection=None, test_projection=default)
+
+
+def test_collected_caches_record_their_projection(mlp_setup, tmp_path):
+    from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
+    from dattri_llm.gradient.storage_manager import projection_record
+    from dattri_llm.task import AttributionTask
+
+    s = mlp_setup
+    task = AttributionTask(mlp_loss, s["model"])
+    train_ds = [(s["train"][0][i], s["train"][1][i]) for i in range(N_TRAIN)]
+    test_ds = [(s["test"][0][i], s["test"][1][i]) for i in range(N_TEST)]
+    dirs = {}
+    for seed in (0, 1):
+        config = HookManagerConfig(linear_io=REGISTER_ALL, projection_kwargs=_logra(seed))
+        attributor = TracInAttributor(make_args(tmp_path), task=task)
+        [dirs[seed]] = attributor.cache(
+            train_ds, test_ds, cache_dir=str(tmp_path / f"c{seed}"), hook_config=config
+        )
+        for path in dirs[seed]:
+            assert GradientStorageManager(path).projection == projection_record(_logra(seed))
+    attributor = TracInAttributor(make_args(tmp_path))
+    with pytest.raises(ValueError, match=r"layer 'fc1'.*proj_seed=0.*proj_seed=1"):
+        attributor.attribute_from_cache(dirs[0][0], dirs[1][1])
+    score = attributor.attribute_from_cache(*dirs[1])
+    expected = dense_gram(
+        _logra_reference(s["ref_train"], s["model"], 1),
+        _logra_reference(s["ref_test"], s["model"], 1),
+    )
+    check_close(score.agnostic_matrix()[1], expected.float())
+
+
+def test_offload_callback_refuses_a_store_of_another_projection(mlp_setup, tmp_path):
+    from dattri_llm.gradient.callbacks.offload_callback import OffloadCallback
+    from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
+    from dattri_llm.gradient.hooks.manager import HookManager
+
+    def projector(feature, feature_batch_size, proj_dim, **kwargs):
+        raise AssertionError("never called: nothing is captured")
+
+    s = mlp_setup
+    store = _capture_store(tmp_path / "s", s["model"], s["test"], _logra(0))
+    offload = OffloadCallback(
+        offload_interval=1, file_manager=GradientStorageManager(store.save_dir)
+    )
+    for config in (
+        HookManagerConfig(linear_io=REGISTER_ALL, projection_kwargs=_logra(1)),
+        HookManagerConfig(linear_io=REGISTER_ALL),
+        HookManagerConfig(linear_io=REGISTER_ALL, projection_kwargs=_logra(0), projector=projector),
+    ):
+        with pytest.raises(ValueError, match=r"captured with projection .*proj_seed.*0"):
+            HookManager(s["model"], config=config, callbacks=[offload])
+    same = HookManagerConfig(linear_io=REGISTER_ALL, projection_kwargs=_logra(0))
+    HookManager(s["model"], config=same, callbacks=[offload]).remove()

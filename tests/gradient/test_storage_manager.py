@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from store_helpers import (
@@ -28,6 +29,7 @@ from dattri_llm.gradient.storage_manager import (
     FORMAT_VERSION,
     GradientStorageManager,
     load_group_file,
+    projection_record,
 )
 from dattri_llm.utils.hashing import hash_sample
 
@@ -432,3 +434,113 @@ def test_two_managers_on_one_directory_never_overwrite(tmp_path):
         assert_gradients_equal(
             merged.load_sample_by_hash(h, step, 0), make_gradient("dense", step, 1)
         )
+
+
+# ---------------------------------------------------------------------------- projection record
+
+LOGRA = {"__default__": {"style": "logra", "proj_dim": 4, "proj_seed": 0}}
+
+
+def custom_factory(feature, feature_batch_size, proj_dim, **kwargs):
+    """A stand-in projection factory (only its identity is recorded)."""
+    raise AssertionError("not called")
+
+
+def test_projection_record_resolves_defaults():
+    from dattri_llm.gradient.ops.projection import DattriProjector, random_project
+
+    assert projection_record(None) == {} and projection_record({}) == {}
+    proj = {
+        "style": "dense",
+        "proj_dim": np.int64(8),
+        "device": "cpu",
+        "proj_max_batch_size": 16,
+        "dtype": torch.float32,  # not JSON-able: dropped
+    }
+    record = projection_record({"fc1": proj, "__default__": {"proj_dim": 4}})
+    assert record == {
+        "fc1": {
+            "style": "dense",
+            "proj_dim": 8,
+            "proj_seed": 0,
+            "include_bias": True,
+            "proj_max_batch_size": 16,
+            "proj_type": "normal",
+        },
+        "__default__": {
+            "style": "logra",
+            "proj_dim": 4,
+            "proj_seed": 0,
+            "include_bias": True,
+            "proj_type": "normal",
+        },
+    }
+    assert type(record["fc1"]["proj_dim"]) is int
+    mask = projection_record({"__default__": {"style": "mask", "proj_dim": 3, "proj_seed": 2}})
+    assert mask == {
+        "__default__": {"style": "mask", "proj_dim": 3, "proj_seed": 2, "include_bias": True}
+    }
+    # the default factory (bare or wrapped) is not recorded; another factory is, by name
+    for default in (random_project, DattriProjector(), DattriProjector(random_project)):
+        assert projection_record(LOGRA, default) == projection_record(LOGRA)
+    custom = projection_record(LOGRA, DattriProjector(custom_factory))
+    assert custom["__default__"]["projector"] == f"{__name__}.custom_factory"
+    assert "proj_type" not in custom["__default__"]
+    assert projection_record(mask, custom_factory) == mask  # masks use no projector
+    for resolved in (record, mask, custom):
+        assert projection_record(resolved) == resolved  # idempotent
+
+
+def test_projection_declaration_persisted_and_reopened(tmp_path):
+    root = tmp_path / "s"
+    store = GradientStorageManager(root)
+    assert store.projection is None  # never declared: unknown
+    store.declare_projection(LOGRA)
+    store.declare_projection(dict(LOGRA))  # same settings: no-op
+    assert store.projection == projection_record(LOGRA)
+    assert not root.exists()  # written with the first save
+    store.save_bulk([GradientRecord(0, ["a", "b"], make_gradient("dense", 0, 2))])
+    sidecar = json.loads((root / "store.json").read_text())
+    assert sidecar["projection"] == projection_record(LOGRA)
+    reopened = GradientStorageManager(root)
+    assert reopened.projection == projection_record(LOGRA)
+    other = {"__default__": {**LOGRA["__default__"], "proj_seed": 1}}
+    with pytest.raises(ValueError, match=r"'proj_seed': 0.*cannot declare.*'proj_seed': 1"):
+        reopened.declare_projection(other)
+    with pytest.raises(ValueError, match=r"cannot declare \{\}"):
+        reopened.declare_projection(None)
+    with pytest.raises(ValueError, match="cannot declare"):
+        reopened.declare_projection(LOGRA, custom_factory)
+    assert GradientStorageManager(root).projection == projection_record(LOGRA)  # unchanged
+
+
+def test_unprojected_declaration(tmp_path):
+    store = GradientStorageManager(tmp_path / "s")
+    store.declare_projection(None)
+    store.save(GradientRecord(0, "a", make_gradient("dense", 0, 1)))
+    assert GradientStorageManager(tmp_path / "s").projection == {}
+    with pytest.raises(ValueError, match="projection \\{\\}; cannot declare"):
+        GradientStorageManager(tmp_path / "s").declare_projection(LOGRA)
+
+
+def test_conflicting_rank_projections(tmp_path):
+    for rank, seed in ((0, 0), (1, 1)):
+        (tmp_path / f"rank_{rank}").mkdir()
+        settings = {
+            "format_version": FORMAT_VERSION,
+            "projection": projection_record({"__default__": {"proj_dim": 4, "proj_seed": seed}}),
+        }
+        (tmp_path / f"rank_{rank}" / "store.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match=r"rank_1.*declares projection.*'proj_seed': 1"):
+        GradientStorageManager(tmp_path)
+
+
+@pytest.mark.parametrize("residency", ["memory", "tiered"])
+def test_projection_declaration_in_ram(tmp_path, residency):
+    with GradientStorageManager(tmp_path, residency=residency, budget_bytes=1 << 20) as store:
+        store.declare_projection(LOGRA)
+        store.save(GradientRecord(0, "a", make_gradient("dense", 0, 1)))
+        assert store.projection == projection_record(LOGRA)
+        with pytest.raises(ValueError, match="cannot declare"):
+            store.declare_projection(None)
+        assert not (tmp_path / "store.json").exists()

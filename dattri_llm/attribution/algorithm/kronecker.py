@@ -88,10 +88,14 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         self._fisher_dir_to_write: Path | None = None
         self._factors: Any = None
         self._fisher_inverse: Any = None
-        self._damped_layers: dict[str, str] = {}
+        self._fitted_layer_types: dict[str, str] = {}
         self._identity_test = False
         self._capture_callback: Any = None
         self._warned: set[str] = set()
+        # covariances recorded while attribute()/cache() collect the train side
+        self._collect_covariances = False
+        self._recorded: Any = None
+        self._recorded_covariances: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ options
     def configure(
@@ -241,7 +245,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
                 cov = fitted.get(name, self.captured_covariances_for(name))
             if cov is not None:
                 result[name] = cov
-        self._damped_layers = {name: seen[name] for name in result}
+        self._fitted_layer_types = {name: seen[name] for name in result}
         return result
 
     def _check_covariance_widths(self, block: Gradient, name: str) -> None:
@@ -249,7 +253,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         cov = self.covariances_for(name)
         if cov is None:
             return
-        from dattri_llm.gradient.ops.kronecker import _preprocessed_3d
+        from dattri_llm.gradient.ops.kronecker import kfac_rows
 
         value = block.data[name]
         k, d = cov[0].shape[0], cov[1].shape[0]
@@ -258,9 +262,9 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             stored = f"dense rows {tuple(_dense_rows(value).shape)}"
         else:
             f = value.as_batch_first()
-            a, g = _preprocessed_3d(
+            a, g = kfac_rows(
                 f.activation[:1], f.pre_activation_grad[:1], block.layer_types[name],
-                f.module_kwargs, True,
+                f.module_kwargs,
             )  # fmt: skip
             ok = (a.shape[-1], g.shape[-1]) == (k, d)
             stored = f"factor widths K={a.shape[-1]}, D={g.shape[-1]}"
@@ -424,7 +428,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
                 "meta": self.fit_meta(),
                 "factors": {k: _to(v, torch.device("cpu")) for k, v in covariances.items()},
                 "fisher": {k: v.cpu() for k, v in (fisher or {}).items()},
-                "layer_types": dict(self._damped_layers),
+                "layer_types": dict(self._fitted_layer_types),
             }
             torch.save(payload, directory / FISHER_FILE)
         return directory
@@ -452,7 +456,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
                 f"{{setting: (stored, requested)}} = {different}; refit with fit(...) or use "
                 "another fisher_dir (only damping may differ)."
             )
-        self._damped_layers = dict(payload.get("layer_types", {}))
+        self._fitted_layer_types = dict(payload.get("layer_types", {}))
         self.raw_fit = (payload["factors"], payload["fisher"])
         return self.raw_fit
 
@@ -783,6 +787,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             "covariances_at_capture": covariances_at_capture,
         }
         self._start_call(options, None, None)
+        _check_capture_style(hook_config, covariances_at_capture, self.algorithm)
         self._collect_covariances = covariances_at_capture and gradient_cache_residency is not None
         self._recorded = self._recorded_covariances = None
         if gradient_cache_residency is None:
@@ -802,10 +807,6 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         finally:
             self._collect_covariances = False
             self._recorded = self._recorded_covariances = None
-
-    _collect_covariances: bool = False
-    _recorded: Any = None
-    _recorded_covariances: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def generate_train_rep(self, train_dataset: object, **kwargs: Any) -> Any:
         """Base train streamer; records covariances at capture during a collection."""
@@ -853,6 +854,20 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             return super().cache(train_dataset, test_dataset, **kwargs)
         finally:
             self._collect_covariances = previous
+
+
+def _check_capture_style(
+    hook_config: HookManagerConfig | None, covariances_at_capture: bool, algorithm: str
+) -> None:
+    """``ValueError`` for a pinned ``"materialized"`` capture without covariances at capture."""
+    style = getattr(hook_config, "capture_style", "factorized")
+    if style == "materialized" and not covariances_at_capture:
+        raise ValueError(
+            f"{algorithm} needs the Kronecker factors of each layer, but hook_config pins "
+            "capture_style='materialized' with covariances_at_capture=False; use "
+            "capture_style='factorized' or 'auto', or set covariances_at_capture=True so the "
+            "covariances are recorded during capture."
+        )
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -1027,7 +1042,10 @@ class EKFACAttributor(KroneckerAttributor):
             lam = raw["lam"]
             shift = damping * float(lam.mean()) if self.relative_damping else damping
             shifted = lam + shift
-            if not bool(torch.isfinite(shifted).all()) or float(shifted.min()) <= 0:
+            tol = 0.0
+            if shift == 0:  # undamped: eigenvalues at round-off level count as zero
+                tol = lam.numel() * torch.finfo(lam.dtype).eps * float(lam.abs().max())
+            if not bool(torch.isfinite(shifted).all()) or float(shifted.min()) <= tol:
                 raise ValueError(
                     f"layer {name!r}: the corrected eigenvalues Λ+λ reach "
                     f"{float(shifted.min()):.3e} with damping={damping} (singular curvature); "

@@ -71,9 +71,7 @@ class KroneckerCovarianceCallback(HookManagerCallback):
     def result(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{layer: (A, G)}`` normalised and undamped; layers without kept rows omitted."""
         return {
-            name: acc.result()
-            for name, acc in self._accumulators.items()
-            if acc.a_sum is not None
+            name: acc.result() for name, acc in self._accumulators.items() if acc.a_sum is not None
         }
 
     def reset(self) -> None:

@@ -10,6 +10,7 @@ from dattri_llm.gradient.gradient import GradientRecord
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.async_writer import AsyncGradientWriter
+    from dattri_llm.gradient.hooks.manager import HookManager
     from dattri_llm.gradient.storage_manager import GradientStorageManager
     from dattri_llm.options import RecordingType
 
@@ -66,6 +67,8 @@ class OffloadCallback(HookManagerCallback):
     already staged (or through an `AsyncGradientWriter` with ``async_write``).
     ``on_context_end`` merges a ragged trailing window, flushes, and drains
     and closes the writer, so the store is complete after the context.
+    Attaching it to a `HookManager` declares the manager's projection
+    (``config.projection_kwargs`` and ``config.projector``) to the store.
 
     Args:
         offload_interval: distinct steps per written group (``>= 1``).
@@ -134,6 +137,11 @@ class OffloadCallback(HookManagerCallback):
     def staged(self) -> list[GradientRecord]:
         """Copy of the list of records staged but not yet written."""
         return list(self._staged)
+
+    def on_register(self, hook_manager: HookManager) -> None:
+        """Declare the manager's capture projection to the store (conflict → `ValueError`)."""
+        config = hook_manager.config
+        self.file_manager.declare_projection(config.projection_kwargs, config.projector)
 
     def on_step_end(self, record: GradientRecord) -> None:
         """Merge accumulation windows, then stage the record (flushing first if due)."""

@@ -879,7 +879,17 @@ def _layer_cross_dot(
         if isinstance(x2, Tensor)
         else _as_dense(x2, test.layer_types[name], True)
     )
-    return _dense_cross(m1, m2, f"layer {name!r}, {train.layer_types[name]}", "layerwise_cross_dot")
+    return _dense_cross(m1, m2, train.layer_types[name], "layerwise_cross_dot")
+
+
+def _named(name: str, fn, *args):
+    """``fn(*args)``, prefixing the layer name to a ``ValueError``/``TypeError`` message."""
+    try:
+        return fn(*args)
+    except (ValueError, TypeError) as err:
+        if repr(name) in str(err):
+            raise
+        raise type(err)(f"layer {name!r}: {err}") from err
 
 
 def _sum_broadcast(per_layer: dict[str, Tensor], fn: str) -> Tensor:
@@ -928,7 +938,9 @@ def layerwise_cross_dot(
             f"layerwise_cross_dot: no shared layer (train {sorted(train.data)}, test "
             f"{sorted(test.data)}, requested {layers}); capture the same layers on both sides."
         )
-    per_layer = {name: _layer_cross_dot(train, test, name, mode, dense_cache) for name in names}
+    per_layer = {
+        name: _named(name, _layer_cross_dot, train, test, name, mode, dense_cache) for name in names
+    }
     if reduce == "none":
         return per_layer
     return _sum_broadcast(per_layer, "layerwise_cross_dot")
@@ -972,7 +984,9 @@ def layerwise_cross_dot_per_token(
             f"{fn}: no shared layer (train {sorted(train.data)}, test {sorted(test.data)}, "
             f"requested {layers}); capture the same layers on both sides."
         )
-    per_layer = {name: _layer_cross_dot_per_token(train, test, name) for name in names}
+    per_layer = {
+        name: _named(name, _layer_cross_dot_per_token, train, test, name) for name in names
+    }
     if reduce == "none":
         return per_layer
     lengths = {name: m.shape[1] for name, m in per_layer.items()}

@@ -193,9 +193,11 @@ def _damped_spectrum(matrix: Tensor, damping: float, fn: str) -> tuple[Tensor, T
     _check_square(matrix, fn)
     m = matrix.to(_floor_dtype(matrix))
     s, u = torch.linalg.eigh((m + m.T) / 2)
-    s = s + damping
     size = m.shape[0]
-    tol = size * torch.finfo(s.dtype).eps * max(float(s.abs().max()), 0.0) if size else 0.0
+    tol = 0.0
+    if damping == 0 and size:  # undamped: eigenvalues at round-off level count as zero
+        tol = size * torch.finfo(s.dtype).eps * float(s.abs().max())
+    s = s + damping
     if not bool(torch.isfinite(s).all()) or (size and float(s.min()) <= tol):
         raise _singular_error(fn, size, float(s.min()) if size else 0.0, damping)
     return s, u
@@ -204,8 +206,9 @@ def _damped_spectrum(matrix: Tensor, damping: float, fn: str) -> tuple[Tensor, T
 def sym_inverse(matrix: Tensor, damping: float = 0.0) -> Tensor:
     """``(M + damping·I)⁻¹`` of a symmetric matrix via ``eigh`` (at least float32).
 
-    Raises ``ValueError`` when the damped matrix is singular or indefinite
-    (eigenvalue ≤ ``size·eps·max|s|`` or non-finite).
+    Raises ``ValueError`` when the damped matrix is singular or indefinite: a
+    non-finite eigenvalue, a damped eigenvalue ≤ 0, or (``damping=0``) an
+    eigenvalue ≤ ``size·eps·max|s|``.
     """
     s, u = _damped_spectrum(matrix, damping, "sym_inverse")
     return (u / s) @ u.T

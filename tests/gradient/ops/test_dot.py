@@ -39,11 +39,6 @@ from dattri_llm.utils.cache import TensorCache
 dot_module = importlib.import_module("dattri_llm.gradient.ops.dot")
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 MODES = ["auto", "factorized", "materialized"]
-OUTER_CASES = [
-    c
-    for c in CASE_IDS
-    if layer_case(c).layer_type.startswith(("nn.Linear", "nn.Conv", "transformers"))
-]
 
 
 def side(case_id: str, k: int, dtype: torch.dtype = torch.float64) -> Factorized:
@@ -113,12 +108,16 @@ class TestAlignedAndDense:
         assert_matches(factorized, against_dense.double(), dtype)
 
 
+@pytest.mark.parametrize("route", ["ghost", "materialized"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize(
     "case_id", [c for c in CASE_IDS if layer_case(c).sides[0].per_token_dense is not None]
 )
-def test_per_token_entries_match_per_token_reference(case_id, dtype):
+def test_per_token_entries_match_per_token_reference(case_id, dtype, route, monkeypatch):
     """Token t's entry is <grad of token t's loss term, dW2_j> (independent reference)."""
+    monkeypatch.setattr(
+        dot_module, "_prefers_materialized_per_token", lambda *dims: route == "materialized"
+    )
     case = layer_case(case_id)
     expected = case.sides[0].per_token_dense @ dense(case_id, 1).T
     got = cross_dot_per_token(side(case_id, 0, dtype), side(case_id, 1, dtype), case.layer_type)
@@ -453,6 +452,20 @@ def test_layerwise_cross_dot_errors():
     )
     with pytest.raises(ValueError, match="'lin' is 'nn.Linear' in the train block"):
         layerwise_cross_dot(train, relabelled)
+    projected = Gradient(
+        representation={"lin": "factorized"},
+        data={"lin": Factorized(_rand(2, 3, 3), _rand(2, 3, 2))},
+        layer_types={"lin": "nn.Linear"},
+    )
+    with pytest.raises(ValueError, match=r"layer 'lin': cross_gram\(nn\.Linear\).*\(3, 4, 6\)"):
+        layerwise_cross_dot(train, projected)
+    dense_test = Gradient(
+        representation={"lin": "materialized"},
+        data={"lin": _rand(2, 7)},
+        layer_types={"lin": "nn.Linear"},
+    )
+    with pytest.raises(ValueError, match=r"layer 'lin':.*\(3, 24\).*\(2, 7\)"):
+        layerwise_cross_dot(train, dense_test)
 
 
 @pytest.mark.parametrize("dense_test", [(), ("lin", "emb", "ln")])

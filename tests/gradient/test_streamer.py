@@ -1,0 +1,528 @@
+"""GradientStreamer: frozen probes and training trajectories against hand-written references."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from reference import call, per_sample_param_grads
+from torch import nn
+
+from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.gradient._live import GradientStreamer, unscale_gradient
+from dattri_llm.gradient.callbacks.base import HookManagerCallback
+from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
+from dattri_llm.gradient.hooks.manager import HookManager
+from dattri_llm.utils.hashing import hash_sample
+
+N_SAMPLES = 10
+LAYERS = ("0", "2")
+
+
+def make_net(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+
+
+def make_data(dtype: torch.dtype = torch.float32) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(N_SAMPLES, 3, generator=gen, dtype=dtype)
+    y = torch.randn(N_SAMPLES, 2, generator=gen, dtype=dtype)
+    return [{"x": x[i], "y": y[i]} for i in range(N_SAMPLES)]
+
+
+def sum_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return ((model(batch["x"]) - batch["y"]) ** 2).sum()
+
+
+def make_args(tmp_path, **kwargs) -> AttributionArguments:
+    return AttributionArguments(output_dir=str(tmp_path), use_cpu=True, **kwargs)
+
+
+def flat_reference(net: nn.Module, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-sample ``(B, out*(in+1))`` gradients of ``sum_loss`` in the materialize layout."""
+
+    def loss_of_sample(module, params, sample):
+        x, y = sample
+        return ((call(module, params, x) - y) ** 2).sum()
+
+    batch = (torch.stack([r["x"] for r in rows]), torch.stack([r["y"] for r in rows]))
+    grads = per_sample_param_grads(net, loss_of_sample, batch)
+    return {
+        name: torch.cat([grads[f"{name}.weight"], grads[f"{name}.bias"][..., None]], -1).flatten(1)
+        for name in LAYERS
+    }
+
+
+def materialized(block) -> dict[str, torch.Tensor]:
+    return {name: value for name, value in block.materialize().data.items()}
+
+
+def index_of(data: list[dict[str, torch.Tensor]]) -> dict[str, int]:
+    """Identifier → dataset row; the net is called positionally, so the key is ``_arg0``."""
+    return {hash_sample({"_arg0": row["x"]}): i for i, row in enumerate(data)}
+
+
+# ------------------------------------------------------------------ frozen probe
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rtol", "atol"), [(torch.float32, 1e-5, 1e-6), (torch.float64, 1e-10, 1e-12)]
+)
+def test_probe_blocks_equal_per_sample_reference(tmp_path, dtype, rtol, atol):
+    net, data = make_net(dtype), make_data(dtype)
+    ref_net = copy.deepcopy(net)  # unhooked twin: the reference must not fire capture hooks
+    streamer = GradientStreamer(
+        net, data, make_args(tmp_path), batch_size=4, loss_fn=sum_loss, checkpoint_step=7
+    )
+    assert streamer.reusable and len(streamer) == 3
+    rows = index_of(data)
+    seen = []
+    with streamer:
+        for step, block, ids in streamer:
+            assert step == 7
+            order = [rows[i] for i in ids]
+            seen += order
+            expected = flat_reference(ref_net, [data[i] for i in order])
+            got = materialized(block)
+            assert set(got) == set(LAYERS)
+            for name in LAYERS:
+                torch.testing.assert_close(got[name], expected[name], rtol=rtol, atol=atol)
+    assert seen == list(range(N_SAMPLES))  # dataset order, no shuffle
+
+
+def test_probe_bf16_autocast_is_close_to_fp32_reference(tmp_path):
+    net, data = make_net(), make_data()
+    expected = flat_reference(net, data)
+    streamer = GradientStreamer(
+        net, data, make_args(tmp_path, bf16=True), batch_size=5, loss_fn=sum_loss
+    )
+    with streamer:
+        raw = [block for _, block, _ in streamer]
+    assert raw[0].data["2"].pre_activation_grad.dtype == torch.bfloat16  # autocast was on
+    blocks = [materialized(block) for block in raw]
+    for name in LAYERS:
+        got = torch.cat([b[name] for b in blocks]).float()
+        torch.testing.assert_close(got, expected[name], rtol=5e-2, atol=5e-2)
+
+
+def test_probe_reiterates_identically_and_restores_state(tmp_path):
+    net, data = make_net(), make_data()
+    net.train()
+    net[1].eval()  # a mixed mode pattern that must come back as it was
+    pre_grads = [torch.full_like(p, 3.0) for p in net.parameters()]
+    for p, g in zip(net.parameters(), pre_grads):
+        p.grad = g.clone()
+    modes_seen = []
+
+    def loss_recording_mode(model, batch):
+        modes_seen.append(model.training)
+        torch.rand(1)  # consume global RNG inside the pass
+        return sum_loss(model, batch)
+
+    torch.manual_seed(123)
+    rng_before = torch.get_rng_state()
+    streamer = GradientStreamer(
+        net, data, make_args(tmp_path), batch_size=3, loss_fn=loss_recording_mode
+    )
+    with streamer:
+        torch.set_rng_state(rng_before)
+        first = [(s, materialized(b), ids) for s, b, ids in streamer]
+        assert torch.equal(torch.get_rng_state(), rng_before)
+        second = [(s, materialized(b), ids) for s, b, ids in streamer]
+    assert modes_seen and not any(modes_seen)  # eval() during the pass
+    assert net.training and net[0].training and not net[1].training
+    for p, g in zip(net.parameters(), pre_grads):
+        assert torch.equal(p.grad, g)
+    assert len(first) == len(second) == 4
+    for (s1, b1, i1), (s2, b2, i2) in zip(first, second):
+        assert s1 == s2 == 0 and i1 == i2
+        for name in LAYERS:
+            assert torch.equal(b1[name], b2[name])
+
+
+def test_probe_restores_state_when_the_pass_is_abandoned(tmp_path):
+    net, data = make_net(), make_data()
+    net.train()
+    streamer = GradientStreamer(net, data, make_args(tmp_path), batch_size=3, loss_fn=sum_loss)
+    with streamer:
+        iterator = iter(streamer)
+        next(iterator)
+        iterator.close()
+    assert net.training
+    assert all(p.grad is None for p in net.parameters())
+
+
+# -------------------------------------------------------------------- trajectory
+
+
+def linear_schedule(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return step / max(1, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def reference_trajectory(net, data, order, *, batch_size, accumulation, args):
+    """Hand-written HF-Trainer-style loop over batches in ``order``: loss/N, clip, AdamW, LR."""
+    decay = [p for n, p in net.named_parameters() if p.ndim >= 2 and not n.endswith(".bias")]
+    no_decay = [p for n, p in net.named_parameters() if p.ndim < 2 or n.endswith(".bias")]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+    )
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    windows = -(-len(batches) // accumulation)
+    lrs, update = {}, 0
+    for index, rows in enumerate(batches):
+        if index % accumulation == 0:
+            opt.zero_grad(set_to_none=True)
+        lr = args.learning_rate * linear_schedule(update, args.warmup_steps, windows)
+        lrs[index] = lr
+        batch = {k: torch.stack([data[i][k] for i in rows]) for k in ("x", "y")}
+        (sum_loss(net, batch) / accumulation).backward()
+        if (index + 1) % accumulation == 0 or index == len(batches) - 1:
+            nn.utils.clip_grad_norm_(list(net.parameters()), args.max_grad_norm)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            update += 1
+    return lrs
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "sgd"])
+def test_trajectory_matches_hand_written_loop(tmp_path, optim):
+    net, data = make_net(), make_data()
+    ref_net, initial = copy.deepcopy(net), copy.deepcopy(net)
+    args = make_args(
+        tmp_path,
+        learning_rate=0.05,
+        weight_decay=0.1,
+        warmup_steps=1,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.5,
+        optim=optim,
+        data_seed=5,
+    )
+    streamer = GradientStreamer(net, data, args, batch_size=2, loss_fn=sum_loss, enable_update=True)
+    assert not streamer.reusable and len(streamer) == 5
+    rows = index_of(data)
+    steps, order, first_block = [], [], None
+    with streamer:
+        for step, block, ids in streamer:
+            steps.append(step)
+            order += [rows[i] for i in ids]
+            if first_block is None:
+                first_block = materialized(block)
+    assert steps == [0, 1, 2, 3, 4]
+    assert sorted(order) == list(range(N_SAMPLES)) and order != list(range(N_SAMPLES))
+    # The first block is taken at the initial parameters, with the loss divided by N=2.
+    expected = flat_reference(initial, [data[i] for i in order[:2]])
+    for name in LAYERS:
+        torch.testing.assert_close(first_block[name], expected[name] / 2, rtol=1e-5, atol=1e-6)
+
+    if optim == "sgd":
+        ref_lrs = reference_trajectory_sgd(ref_net, data, order, args=args)
+    else:
+        ref_lrs = reference_trajectory(
+            ref_net, data, order, batch_size=2, accumulation=2, args=args
+        )
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    assert streamer.learning_rates.keys() == ref_lrs.keys()
+    for k, lr in ref_lrs.items():
+        assert streamer.learning_rates[k] == pytest.approx(lr, rel=1e-12, abs=1e-15)
+
+
+def reference_trajectory_sgd(net, data, order, *, args):
+    """Plain SGD with L2 decay, loss/2, clipping and the linear LR, batch 2, accumulation 2."""
+    batches = [order[i : i + 2] for i in range(0, len(order), 2)]
+    windows = -(-len(batches) // 2)
+    lrs, update = {}, 0
+    for index, rows in enumerate(batches):
+        if index % 2 == 0:
+            for p in net.parameters():
+                p.grad = None
+        lr = args.learning_rate * linear_schedule(update, args.warmup_steps, windows)
+        lrs[index] = lr
+        batch = {k: torch.stack([data[i][k] for i in rows]) for k in ("x", "y")}
+        (sum_loss(net, batch) / 2).backward()
+        if index % 2 == 1 or index == len(batches) - 1:
+            nn.utils.clip_grad_norm_(list(net.parameters()), args.max_grad_norm)
+            with torch.no_grad():  # SGD's L2 decay, only on matrices (not biases)
+                for p in net.parameters():
+                    decay = args.weight_decay if p.ndim >= 2 else 0.0
+                    p -= lr * (p.grad + decay * p)
+            update += 1
+    return lrs
+
+
+def trajectory_order(tmp_path, data_seed):
+    net, data = make_net(), make_data()
+    args = make_args(tmp_path, data_seed=data_seed)
+    rows = index_of(data)
+    streamer = GradientStreamer(net, data, args, batch_size=3, loss_fn=sum_loss, enable_update=True)
+    with streamer:
+        return [rows[i] for _, _, ids in streamer for i in ids]
+
+
+def test_trajectory_shuffle_is_seeded_by_data_seed(tmp_path):
+    assert trajectory_order(tmp_path, 3) == trajectory_order(tmp_path, 3)
+    assert trajectory_order(tmp_path, 3) != trajectory_order(tmp_path, 4)
+
+
+def test_trajectory_iterates_once(tmp_path):
+    net, data = make_net(), make_data()
+    streamer = GradientStreamer(
+        net, data, make_args(tmp_path), batch_size=4, loss_fn=sum_loss, enable_update=True
+    )
+    with streamer:
+        list(streamer)
+        with pytest.raises(RuntimeError, match="only once"):
+            iter(streamer)
+
+
+def test_defer_update_yields_before_the_update(tmp_path):
+    net, data = make_net(), make_data()
+    args = make_args(tmp_path, learning_rate=0.1, optim="sgd")
+    streamer = GradientStreamer(
+        net, data, args, batch_size=4, loss_fn=sum_loss, enable_update=True, defer_update=True
+    )
+    with streamer:
+        iterator = iter(streamer)
+        before = [p.detach().clone() for p in net.parameters()]
+        next(iterator)
+        assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+        assert all(p.grad is not None for p in net.parameters())
+        next(iterator)  # the pending update is applied on this request
+        moved = [p.detach().clone() for p in net.parameters()]
+        assert not all(torch.equal(p, b) for p, b in zip(moved, before))
+    # exiting applies the update deferred for the second block
+    assert not all(torch.equal(p, m) for p, m in zip(net.parameters(), moved))
+
+
+def test_deferred_trajectory_ends_where_the_eager_one_does(tmp_path):
+    finals = []
+    for defer in (False, True):
+        net, data = make_net(), make_data()
+        args = make_args(tmp_path, learning_rate=0.1)
+        streamer = GradientStreamer(
+            net,
+            data,
+            args,
+            batch_size=3,
+            loss_fn=sum_loss,
+            enable_update=True,
+            defer_update=defer,
+        )
+        with streamer:
+            list(streamer)
+        finals.append([p.detach().clone() for p in net.parameters()])
+    for p, q in zip(*finals):
+        assert torch.equal(p, q)
+
+
+def test_shared_probe_inside_a_trajectory_keeps_its_gradients(tmp_path):
+    net, data = make_net(), make_data()
+    ref_net = copy.deepcopy(net)
+    args = make_args(tmp_path, gradient_accumulation_steps=2, optim="sgd")
+    train = GradientStreamer(net, data, args, batch_size=5, loss_fn=sum_loss, enable_update=True)
+    probe = GradientStreamer(
+        net, data[:4], args, batch_size=4, loss_fn=sum_loss, hook_manager=train.hook_manager
+    )
+    with train, probe:
+        iterator = iter(train)
+        _, _, ids = next(iterator)  # first micro-batch: gradients accumulated, no update yet
+        grads = [p.grad.clone() for p in net.parameters()]
+        ((_, block, probe_ids),) = list(probe)
+        assert len(probe_ids) == 4
+        ref_net.load_state_dict(net.state_dict())
+        expected = flat_reference(ref_net, data[:4])
+        for name in LAYERS:
+            torch.testing.assert_close(materialized(block)[name], expected[name])
+        assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads))
+        assert net.training
+        list(iterator)
+
+
+# ------------------------------------------------------------------ lifecycle and errors
+
+
+def test_iterating_without_entering_raises(tmp_path):
+    streamer = GradientStreamer(
+        make_net(), make_data(), make_args(tmp_path), batch_size=4, loss_fn=sum_loss
+    )
+    with pytest.raises(RuntimeError, match="entered"):
+        iter(streamer)
+
+
+def test_reentering_an_active_streamer_raises(tmp_path):
+    streamer = GradientStreamer(
+        make_net(), make_data(), make_args(tmp_path), batch_size=4, loss_fn=sum_loss
+    )
+    with streamer:
+        with pytest.raises(RuntimeError, match="already active"):
+            streamer.__enter__()
+
+
+def test_exit_removes_owned_hooks(tmp_path):
+    class Counter(HookManagerCallback):
+        calls = 0
+
+        def on_layer_forward(self, *args):
+            Counter.calls += 1
+
+    net = make_net()
+    streamer = GradientStreamer(
+        net, make_data(), make_args(tmp_path), batch_size=4, loss_fn=sum_loss
+    )
+    streamer.hook_manager.add_callback(Counter())
+    with streamer:
+        list(streamer)
+    calls = Counter.calls
+    assert calls > 0
+    net(torch.randn(2, 3)).sum().backward()
+    assert Counter.calls == calls
+
+
+def test_optimizer_property(tmp_path):
+    net, data, args = make_net(), make_data(), make_args(tmp_path, weight_decay=0.3)
+    probe = GradientStreamer(net, data, args, batch_size=4, loss_fn=sum_loss)
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        _ = probe.optimizer
+    assert probe.learning_rates == {}
+    train = GradientStreamer(net, data, args, batch_size=4, loss_fn=sum_loss, enable_update=True)
+    groups = train.optimizer.param_groups
+    assert isinstance(train.optimizer, torch.optim.AdamW)
+    assert [g["weight_decay"] for g in groups] == [0.3, 0.0]
+    assert [len(g["params"]) for g in groups] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"batch_size": 2, "precondition": True}, NotImplementedError, "precondition"),
+        ({"batch_size": 2, "snapshots": "snaps"}, ValueError, "enable_update"),
+        (
+            {"batch_size": 2, "snapshots": "snaps", "enable_update": True},
+            NotImplementedError,
+            "snapshots",
+        ),
+    ],
+)
+def test_invalid_options(tmp_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GradientStreamer(make_net(), make_data(), make_args(tmp_path), loss_fn=sum_loss, **kwargs)
+
+
+def test_unknown_optim_raises(tmp_path):
+    streamer = GradientStreamer(
+        make_net(),
+        make_data(),
+        make_args(tmp_path, optim="adafactor"),
+        batch_size=2,
+        loss_fn=sum_loss,
+        enable_update=True,
+    )
+    with pytest.raises(ValueError, match="adafactor"):
+        _ = streamer.optimizer
+
+
+def test_fsdp_and_deepspeed_are_not_implemented(tmp_path):
+    with pytest.raises(NotImplementedError, match="forward_model"):
+        GradientStreamer(
+            make_net(),
+            make_data(),
+            make_args(tmp_path, fsdp="full_shard"),
+            batch_size=2,
+            loss_fn=sum_loss,
+        )
+    with pytest.raises(NotImplementedError, match="DeepSpeed"):
+        GradientStreamer(
+            make_net(),
+            make_data(),
+            make_args(tmp_path, deepspeed={"a": 1}),
+            batch_size=2,
+            loss_fn=sum_loss,
+        )
+
+
+def test_shared_manager_without_capture_callback_raises(tmp_path):
+    net = make_net()
+    manager = HookManager(net, config=HookManagerConfig(linear_io=REGISTER_ALL))
+    with pytest.raises(ValueError, match="CaptureCallback"):
+        GradientStreamer(
+            net,
+            make_data(),
+            make_args(tmp_path),
+            batch_size=2,
+            loss_fn=sum_loss,
+            hook_manager=manager,
+        )
+    manager.remove()
+
+
+def run_once(tmp_path, loss_fn, data=None):
+    streamer = GradientStreamer(
+        make_net(), data or make_data(), make_args(tmp_path), batch_size=4, loss_fn=loss_fn
+    )
+    with streamer:
+        list(streamer)
+
+
+def test_non_scalar_loss_names_the_batch(tmp_path):
+    def per_sample(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).sum(1)
+
+    with pytest.raises(ValueError, match=r"\(4,\) for batch 0"):
+        run_once(tmp_path, per_sample)
+
+
+def test_non_finite_loss_names_the_batch(tmp_path):
+    def nan_on_second(model, batch):
+        loss = sum_loss(model, batch)
+        return loss * float("nan") if batch["x"][0, 0] == make_data()[4]["x"][0] else loss
+
+    with pytest.raises(ValueError, match="non-finite.*batch 1"):
+        run_once(tmp_path, nan_on_second)
+
+
+def test_default_loss_needs_dict_batch(tmp_path):
+    data = [torch.randn(3) for _ in range(4)]
+    with pytest.raises(TypeError, match="dict batch"):
+        run_once(tmp_path, None, data=data)
+
+
+def test_batch_without_record_raises(tmp_path):
+    def no_forward(model, batch):
+        return sum(p.sum() for p in model.parameters())
+
+    with pytest.raises(RuntimeError, match="no gradient record"):
+        run_once(tmp_path, no_forward)
+
+
+def test_two_steps_per_batch_is_a_step_desync(tmp_path):
+    def double_step(model, batch):
+        sum_loss(model, batch).backward()
+        return sum_loss(model, batch)
+
+    with pytest.raises(RuntimeError, match="step desync"):
+        run_once(tmp_path, double_step)
+
+
+def test_unscale_gradient_divides_output_gradients_and_dense_layers(tmp_path):
+    net, data = make_net(), make_data()
+    streamer = GradientStreamer(net, data, make_args(tmp_path), batch_size=4, loss_fn=sum_loss)
+    with streamer:
+        _, block, _ = next(iter(streamer))
+    dense = block.materialize()
+    halved = unscale_gradient(block, 2.0).materialize()
+    for name in LAYERS:
+        torch.testing.assert_close(halved.data[name], dense.data[name] / 2)
+        torch.testing.assert_close(unscale_gradient(dense, 4.0).data[name], dense.data[name] / 4)

@@ -13,7 +13,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dattri_llm.gradient.callbacks import CaptureCallback, HookManagerCallback, OffloadCallback
+from dattri_llm.gradient.callbacks import (
+    CaptureCallback,
+    HookManagerCallback,
+    KroneckerCovarianceCallback,
+    OffloadCallback,
+)
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
 from dattri_llm.gradient.hooks import (
     REGISTER_ALL,
@@ -35,6 +40,9 @@ _LAZY: dict[str, str] = {
     "BaseAttributor": "dattri_llm.attribution",
     "BaseInnerProductAttributor": "dattri_llm.attribution",
     "TracInAttributor": "dattri_llm.attribution",
+    "KroneckerAttributor": "dattri_llm.attribution",
+    "KFACAttributor": "dattri_llm.attribution",
+    "EKFACAttributor": "dattri_llm.attribution",
 }
 
 __all__ = [
@@ -47,6 +55,7 @@ __all__ = [
     "HookManager",
     "HookManagerCallback",
     "HookManagerConfig",
+    "KroneckerCovarianceCallback",
     "OffloadCallback",
     "default_hook_assignment",
     "hash_batch",

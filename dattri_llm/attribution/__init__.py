@@ -1,6 +1,11 @@
 """The attribution tier: arguments, scores, attributor bases and methods."""
 
-from dattri_llm.attribution.algorithm import TracInAttributor
+from dattri_llm.attribution.algorithm import (
+    EKFACAttributor,
+    KFACAttributor,
+    KroneckerAttributor,
+    TracInAttributor,
+)
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor, BaseInnerProductAttributor
 from dattri_llm.attribution.score import AttributionScore
@@ -10,5 +15,8 @@ __all__ = [
     "AttributionScore",
     "BaseAttributor",
     "BaseInnerProductAttributor",
+    "EKFACAttributor",
+    "KFACAttributor",
+    "KroneckerAttributor",
     "TracInAttributor",
 ]

@@ -7,7 +7,12 @@
 
 from dattri_llm.gradient import ops
 from dattri_llm.gradient.async_writer import AsyncGradientWriter
-from dattri_llm.gradient.callbacks import CaptureCallback, HookManagerCallback, OffloadCallback
+from dattri_llm.gradient.callbacks import (
+    CaptureCallback,
+    HookManagerCallback,
+    KroneckerCovarianceCallback,
+    OffloadCallback,
+)
 from dattri_llm.gradient.gradient import GradientRecord
 from dattri_llm.gradient.hooks import (
     REGISTER_ALL,
@@ -20,9 +25,15 @@ from dattri_llm.gradient.hooks import (
     remove_hooks,
 )
 from dattri_llm.gradient.ops import (
+    FisherAccumulator,
+    KroneckerAccumulator,
+    LayerFisherAccumulator,
+    LayerKroneckerAccumulator,
     canonical_class_name,
     dot,
+    fim,
     grad_norm_sq,
+    kfac,
     materialize,
     pairwise_dot,
 )
@@ -32,16 +43,23 @@ __all__ = [
     "REGISTER_ALL",
     "AsyncGradientWriter",
     "CaptureCallback",
+    "FisherAccumulator",
     "GradientRecord",
     "GradientStorageManager",
     "HookManager",
     "HookManagerCallback",
     "HookManagerConfig",
+    "KroneckerAccumulator",
+    "KroneckerCovarianceCallback",
+    "LayerFisherAccumulator",
+    "LayerKroneckerAccumulator",
     "OffloadCallback",
     "canonical_class_name",
     "default_hook_assignment",
     "dot",
+    "fim",
     "grad_norm_sq",
+    "kfac",
     "materialize",
     "ops",
     "pairwise_dot",

@@ -14,7 +14,8 @@ Kronecker projection with ``k_a = k_g = 64``, a seeded Gaussian projector).
 Peers (each run in its own interpreter, see ``--peer-python``):
 * kronfluence — ``FactorArguments(strategy="identity")`` (no preconditioning = Grad-Dot),
   ``compute_pairwise_scores``; it has no capture-time gradient projection, so no ``logra`` row.
-* LogIX (PyPI ``logix-ai``) — recorded as not run when it cannot be imported.
+* LogIX (PyPI ``logix-ai``) — recorded as not run when it cannot be imported (its releases
+  require Python <3.11).
 
 Metrics, per configuration, in a fresh subprocess after one warm-up call on a small subset:
 * throughput = training samples scored per second of wall time of the one attribution call
@@ -34,10 +35,12 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -47,6 +50,12 @@ QUERY_COUNTS = (1, 16)
 K_PROJ = 64
 LINEAR = r"\.(query_key_value|dense|dense_h_to_4h|dense_4h_to_h)$"
 RESULTS = Path(__file__).parent / "results"
+# Configurations a peer cannot run at all; they are reported instead of spawned.
+UNSUPPORTED = {("kronfluence", "logra"): "kronfluence has no capture-time gradient projection"}
+LOGIX_NOTE = (
+    "`pip install logix-ai` finds only 0.1.0/0.1.1, which require Python <3.11 "
+    "(this machine has 3.11)"
+)
 
 
 # ----------------------------------------------------------------------------- shared setup
@@ -158,12 +167,11 @@ def run_dattri_llm(proj: str, n_queries: int) -> dict:
     result = {}
     metrics = measure(lambda: result.setdefault("score", attribute(train, test)))
     metrics["checksum"] = float(result["score"].scores.double().abs().sum())
+    metrics["version"] = f"dattri_llm {version('dattri-llm')}, torch {torch.__version__}"
     return metrics
 
 
 def run_kronfluence(proj: str, n_queries: int) -> dict:
-    if proj != "full":
-        return {"skipped": "kronfluence has no capture-time gradient projection"}
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.task import Task
@@ -188,10 +196,8 @@ def run_kronfluence(proj: str, n_queries: int) -> dict:
     analyzer = Analyzer("throughput", model, task, cpu=True, disable_tqdm=True, output_dir=out)
     factor_args = FactorArguments(strategy="identity")
     score_args = ScoreArguments()
-    runs = iter(range(10))
 
-    def attribute(train_set, test_set):
-        tag = f"run{next(runs)}"
+    def attribute(tag, train_set, test_set):
         analyzer.fit_all_factors(
             tag,
             train_set,
@@ -199,7 +205,7 @@ def run_kronfluence(proj: str, n_queries: int) -> dict:
             factor_args=factor_args,
             overwrite_output_dir=True,
         )
-        return analyzer.compute_pairwise_scores(
+        analyzer.compute_pairwise_scores(
             tag,
             tag,
             test_set,
@@ -210,10 +216,11 @@ def run_kronfluence(proj: str, n_queries: int) -> dict:
             overwrite_output_dir=True,
         )
 
-    attribute(train[:BATCH], test)  # warm-up
-    result = {}
-    metrics = measure(lambda: result.setdefault("scores", attribute(train, test)))
-    metrics["checksum"] = float(result["scores"]["all_modules"].double().abs().sum())
+    attribute("warmup", train[:BATCH], test)
+    metrics = measure(lambda: attribute("run", train, test))
+    scores = analyzer.load_pairwise_scores("run")["all_modules"]  # (num_queries, num_train)
+    metrics["checksum"] = float(scores.double().abs().sum())
+    metrics["version"] = f"kronfluence {version('kronfluence')}, torch {torch.__version__}"
     return metrics
 
 
@@ -221,8 +228,8 @@ def run_logix(proj: str, n_queries: int) -> dict:
     try:
         import logix  # noqa: F401
     except ImportError as err:
-        return {"skipped": f"LogIX not importable ({err})"}
-    return {"skipped": "LogIX adapter not written (library imported but not benchmarked)"}
+        return {"skipped": f"LogIX is not installed ({err}); {LOGIX_NOTE}"}
+    return {"skipped": "LogIX imports, but no adapter is written for it yet"}
 
 
 WORKERS = {"dattri_llm": run_dattri_llm, "kronfluence": run_kronfluence, "logix": run_logix}
@@ -239,6 +246,22 @@ def run_child(python: str, library: str, proj: str, n_queries: int) -> dict:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         return {"skipped": f"failed: {tail[0][:200]}"}
     return json.loads(lines[-1])
+
+
+def aggregate(library: str, proj: str, n_queries: int, results: list[dict]) -> dict:
+    """Median seconds and peak over the rounds that ran (or the first skip reason)."""
+    row = {"library": library, "proj": proj, "queries": n_queries}
+    ran = [r for r in results if "skipped" not in r]
+    if not ran:
+        return {**row, "skipped": results[0]["skipped"]}
+    return {
+        **row,
+        "seconds": statistics.median(r["seconds"] for r in ran),
+        "peak_mib": statistics.median(r["peak_mib"] for r in ran),
+        "checksum": ran[0]["checksum"],
+        "version": ran[0]["version"],
+        "rounds": len(ran),
+    }
 
 
 def machine_line() -> str:
@@ -261,15 +284,18 @@ def render(rows: list[dict], peer_python: str) -> str:
         f"Peers ran under `{peer_python}`. Produced by `experiments/benchmark/throughput.py`.",
         "",
         f"Workload: GPT-NeoX from config (4 layers, hidden 256, 4 heads, MLP 1024, vocab {VOCAB}),",
-        f"{N_TRAIN} training sequences x {SEQ} tokens, fp32, batch {BATCH}, 16 hooked linear layers;",
+        f"{N_TRAIN} training sequences x {SEQ} tokens, fp32, batch {BATCH}, "
+        "16 hooked linear layers;",
         f"`logra` = capture-time Kronecker projection k_a = k_g = {K_PROJ}.",
         "Throughput = training samples per second of one attribution call (both sides' gradients",
         "and scoring, after a warm-up call). Peak memory = growth of peak RSS (VmHWM) over the RSS",
-        "before the call (extra host memory the call touched).",
+        "before the call (extra host memory the call touched). Medians over interleaved rounds,",
+        "each configuration in a fresh process. Equal score sums confirm the libraries computed",
+        "the same Grad-Dot scores.",
         "",
-        "| library | projection | queries | seconds | samples/s | peak RSS growth (MiB) "
-        "| speed vs dattri_llm |",
-        "|---|---|---|---|---|---|---|",
+        "| library | projection | queries | seconds (median) | samples/s | peak RSS growth (MiB) "
+        "| speed vs dattri_llm | sum of abs scores |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     ours = {(r["proj"], r["queries"]): r for r in rows if r["library"] == "dattri_llm"}
     notes = []
@@ -282,8 +308,10 @@ def render(rows: list[dict], peer_python: str) -> str:
         ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base and "seconds" in base else "-"
         lines.append(
             f"| {r['library']} | {r['proj']} | {r['queries']} | {r['seconds']:.2f} | {rate:.1f} "
-            f"| {r['peak_mib']:.0f} | {ratio} |"
+            f"| {r['peak_mib']:.0f} | {ratio} | {r['checksum']:.6g} |"
         )
+    versions = sorted({r["version"] for r in rows if "version" in r})
+    lines += ["", "Versions: " + "; ".join(versions) + "."]
     if notes:
         lines += ["", "Not run:", *notes]
     return "\n".join(lines) + "\n"
@@ -300,18 +328,29 @@ def main() -> None:
         help="interpreter that has the peer libraries installed",
     )
     parser.add_argument("--out", default=str(RESULTS / "throughput.md"))
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported")
     opts = parser.parse_args()
     if opts.worker:
         print(json.dumps(WORKERS[opts.worker](opts.proj, opts.queries)), flush=True)
         return
-    rows = []
-    for proj in ("full", "logra"):
-        for n_queries in QUERY_COUNTS:
-            for library in WORKERS:
-                python = sys.executable if library == "dattri_llm" else opts.peer_python
-                result = run_child(python, library, proj, n_queries)
-                rows.append({"library": library, "proj": proj, "queries": n_queries, **result})
-                print(rows[-1], flush=True)
+    runs: dict[tuple[str, str, int], list[dict]] = {}
+    missing: dict[str, dict] = {}  # libraries that failed to import: not spawned again
+    for _ in range(opts.repeats):  # interleaved rounds, so background load hits all alike
+        for proj in ("full", "logra"):
+            for n_queries in QUERY_COUNTS:
+                for library in WORKERS:
+                    python = sys.executable if library == "dattri_llm" else opts.peer_python
+                    if (library, proj) in UNSUPPORTED:
+                        result = {"skipped": UNSUPPORTED[library, proj]}
+                    elif library in missing:
+                        result = missing[library]
+                    else:
+                        result = run_child(python, library, proj, n_queries)
+                    if "not installed" in result.get("skipped", ""):
+                        missing[library] = result
+                    runs.setdefault((library, proj, n_queries), []).append(result)
+                    print(library, proj, n_queries, result, flush=True)
+    rows = [aggregate(library, proj, q, results) for (library, proj, q), results in runs.items()]
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(render(rows, opts.peer_python))
     print(f"wrote {opts.out}")

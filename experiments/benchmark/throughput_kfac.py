@@ -246,6 +246,9 @@ def main() -> None:
         f"{VOCAB}), {len(TRACKED)} tracked nn.Linear layers, {options.n_train} train x "
         f"{options.n_test} query sequences of {options.seq} tokens, float32 CPU; median of "
         f"{options.repeats} runs (capture + fit + preconditioning + scoring).",
+        "kronfluence runs in its own venv with its default damping and writes its factors "
+        "to a temporary directory; dattri_llm uses relative damping 1e-3 and keeps everything "
+        "in memory. Scores of the two libraries are not cross-checked here.",
         "",
         "| method | wall (s) | train sequences / s |",
         "|---|---:|---:|",

@@ -38,8 +38,11 @@ import torch
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.attribution.score import AttributionScore
+    from dattri_llm.gradient._live import GradientStreamer
     from dattri_llm.gradient.gradient import Gradient
     from dattri_llm.gradient.hooks.config import HookManagerConfig
     from dattri_llm.gradient.ops.kronecker import FisherAccumulator
@@ -242,7 +245,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         for name in seen:
             cov = self.covariances_for(name)
             if cov is None:
-                cov = fitted.get(name, self.captured_covariances_for(name))
+                cov = fitted.get(name) or self.captured_covariances_for(name)
             if cov is not None:
                 result[name] = cov
         self._fitted_layer_types = {name: seen[name] for name in result}
@@ -808,9 +811,25 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             self._collect_covariances = False
             self._recorded = self._recorded_covariances = None
 
-    def generate_train_rep(self, train_dataset: object, **kwargs: Any) -> Any:
+    def generate_train_rep(
+        self,
+        train_dataset: object,
+        *,
+        checkpoint_step: int = 0,
+        enable_update: bool = False,
+        hook_config: HookManagerConfig | None = None,
+        snapshots: object | None = None,
+        forward_model: nn.Module | None = None,
+    ) -> GradientStreamer:
         """Base train streamer; records covariances at capture during a collection."""
-        streamer = super().generate_train_rep(train_dataset, **kwargs)
+        streamer = super().generate_train_rep(
+            train_dataset,
+            checkpoint_step=checkpoint_step,
+            enable_update=enable_update,
+            hook_config=hook_config,
+            snapshots=snapshots,
+            forward_model=forward_model,
+        )
         if self._collect_covariances:
             from dattri_llm.gradient.callbacks.kronecker_covariance_callback import (
                 KroneckerCovarianceCallback,

@@ -2,10 +2,12 @@
 
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
 from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
+from dattri_llm.gradient.callbacks.kronecker_covariance_callback import KroneckerCovarianceCallback
 from dattri_llm.gradient.callbacks.offload_callback import OffloadCallback
 
 __all__ = [
     "CaptureCallback",
     "HookManagerCallback",
+    "KroneckerCovarianceCallback",
     "OffloadCallback",
 ]

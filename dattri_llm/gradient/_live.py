@@ -192,8 +192,13 @@ class GradientStreamer:
                 "hook_manager= must carry a CaptureCallback (the streamer reads each batch's "
                 "record from it); build it with callbacks=[CaptureCallback(), ...]"
             )
-        self._enable_gradient_checkpointing(model, args)
-        self._forward_model = forward_model or self._place_model(model, args)
+        try:
+            self._enable_gradient_checkpointing(model, args)
+            self._forward_model = forward_model or self._place_model(model, args)
+        except BaseException:
+            if self._owns_manager:  # do not leave hooks on a model we failed to wrap
+                self._manager.remove()
+            raise
         self._dataset = dataset
         self._batch_size = batch_size
         self._collate_fn = collate_fn

@@ -50,6 +50,15 @@ QUERY_COUNTS = (1, 16)
 K_PROJ = 64
 LINEAR = r"\.(query_key_value|dense|dense_h_to_4h|dense_4h_to_h)$"
 RESULTS = Path(__file__).parent / "results"
+PEER_SETUP = [
+    "Peer environment: a fresh venv, `pip install torch==2.13.0` (the local CPU wheel), then",
+    "`pip install kronfluence logix-ai`. logix-ai has no release for Python 3.11. kronfluence",
+    "pulled a CUDA torch 2.14 and torchvision; torch was put back to the 2.13.0 CPU wheel and",
+    "torchvision removed (its PyPI wheel does not load with the CPU torch, and kronfluence never",
+    "imports it); `transformers==5.24.0` added for the model. The machine is shared with other",
+    "jobs, so single timings vary by up to ~2x; the medians over interleaved rounds are what to",
+    "compare, and only ratios within this table.",
+]
 # Configurations a peer cannot run at all; they are reported instead of spawned.
 UNSUPPORTED = {("kronfluence", "logra"): "kronfluence has no capture-time gradient projection"}
 LOGIX_NOTE = (
@@ -311,7 +320,7 @@ def render(rows: list[dict], peer_python: str) -> str:
             f"| {r['peak_mib']:.0f} | {ratio} | {r['checksum']:.6g} |"
         )
     versions = sorted({r["version"] for r in rows if "version" in r})
-    lines += ["", "Versions: " + "; ".join(versions) + "."]
+    lines += ["", "Versions: " + "; ".join(versions) + ".", "", *PEER_SETUP]
     if notes:
         lines += ["", "Not run:", *notes]
     return "\n".join(lines) + "\n"

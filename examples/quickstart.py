@@ -5,12 +5,16 @@ small GPT-2 built from a config, a word-level tokenizer written below, and the
 five-topic corpus in ``quickstart_corpus.py`` (cooking, astronomy, football,
 programming, gardening).
 
-1. Train the model on the corpus with a plain PyTorch loop.
-2. Score every training sentence against a few held-out query sentences with
-   Grad-Cos (``TracInAttributor(..., normalized_grad=True)`` at the trained
-   weights): per-sample gradients are captured live by hooks on the MLP layers
-   and the output head, and nothing is written to disk.
-3. Print each query's three most influential training sentences.
+1. Train the model on the corpus with a plain PyTorch loop. The last epochs run
+   inside ``HookManager.collect()``: hooks capture every training sentence's
+   per-sample gradient (factorized: the layers' inputs and output gradients)
+   and ``OffloadCallback`` writes them to a gradient store. The training loop
+   itself is not changed.
+2. Capture the query sentences' gradients at the trained weights the same way.
+3. Score every training sentence against every query from the two stores with
+   Grad-Cos (``TracInAttributor.attribute_from_cache(..., normalized_grad=True)``;
+   no model needed) and print each query's three most influential training
+   sentences.
 
 Run:  python examples/quickstart.py
 """
@@ -27,8 +31,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from dattri_llm import (
     AttributionArguments,
-    AttributionTask,
+    GradientStorageManager,
+    HookManager,
     HookManagerConfig,
+    OffloadCallback,
     TracInAttributor,
     hash_sample,
 )
@@ -39,6 +45,7 @@ from quickstart_corpus import CORPUS, QUERIES  # noqa: E402
 SEED = 0
 MAX_LEN = 16
 EPOCHS = 12
+CAPTURED_EPOCHS = 2  # the last epochs run under gradient capture
 BATCH_SIZE = 16
 LEARNING_RATE = 1e-2
 
@@ -73,12 +80,12 @@ def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     return (token_loss.sum(1) / (targets != -100).sum(1)).sum()
 
 
-def train(model: torch.nn.Module, train_set: list[dict[str, torch.Tensor]]) -> None:
+def train(model: torch.nn.Module, train_set: list[dict[str, torch.Tensor]], epochs: int) -> None:
     """A plain training loop: AdamW, shuffled mini-batches, mean loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     loader = torch.utils.data.DataLoader(train_set, batch_size=BATCH_SIZE, shuffle=True)
     model.train()
-    for epoch in range(EPOCHS):
+    for _ in range(epochs):
         total = 0.0
         for batch in loader:
             optimizer.zero_grad()
@@ -86,8 +93,22 @@ def train(model: torch.nn.Module, train_set: list[dict[str, torch.Tensor]]) -> N
             loss.backward()
             optimizer.step()
             total += loss.item() * len(batch["input_ids"])
-        if epoch % 5 == 4 or epoch == EPOCHS - 1:
-            print(f"epoch {epoch + 1:2d}  train loss {total / len(train_set):.3f}")
+        print(f"  train loss {total / len(train_set):.3f}")
+
+
+def query_gradients(model: torch.nn.Module, query_set: list[dict[str, torch.Tensor]]) -> None:
+    """One backward pass over the queries at the current weights (no update)."""
+    model.eval()
+    batch = torch.utils.data.default_collate(query_set)
+    loss_fn(model, batch).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def capture(model: torch.nn.Module, store_dir: str, config: HookManagerConfig) -> HookManager:
+    """A ``HookManager`` that writes every step's per-sample gradients to ``store_dir``."""
+    store = GradientStorageManager(store_dir)
+    offload = OffloadCallback(offload_interval=4, file_manager=store, recording_type="per_sample")
+    return HookManager(model, config=config, callbacks=[offload])
 
 
 def print_table(score, train_text: dict[str, tuple[str, str]], query_ids: list[str]) -> int:
@@ -123,6 +144,9 @@ def main() -> None:
         n_layer=2,
         n_head=2,
         tie_word_embeddings=False,
+        resid_pdrop=0.0,  # no dropout: captured gradients are those of the model as it is
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
         bos_token_id=0,
         eos_token_id=0,
     )
@@ -131,18 +155,21 @@ def main() -> None:
         f"corpus: {len(train_set)} training sentences, {len(CORPUS)} topics, "
         f"vocabulary {len(tokenizer.vocab)} words"
     )
-    train(model, train_set)
-
-    # Capture per-sample gradients of the MLP layers and the output head
-    # (a regex selector; the default, REGISTER_ALL, hooks every eligible layer).
+    # Per-sample gradients of the MLP layers and the output head (a regex
+    # selector; the default, REGISTER_ALL, hooks every eligible layer).
     hook_config = HookManagerConfig(linear_io=[r"\.mlp\.", r"^lm_head$"])
-    with tempfile.TemporaryDirectory() as out_dir:
-        args = AttributionArguments(
-            output_dir=out_dir, use_cpu=True, per_device_train_batch_size=50, seed=SEED
-        )
-        task = AttributionTask(loss_func=loss_fn, model=model)
-        score = TracInAttributor(args, task=task).attribute(
-            train_set, query_set, hook_config=hook_config, normalized_grad=True
+    with tempfile.TemporaryDirectory() as work:
+        train_dir, test_dir = f"{work}/train_grads", f"{work}/test_grads"
+        print(f"training for {EPOCHS} epochs, the last {CAPTURED_EPOCHS} under capture")
+        train(model, train_set, EPOCHS - CAPTURED_EPOCHS)
+        with capture(model, train_dir, hook_config).collect(deregister_on_exit=True):
+            train(model, train_set, CAPTURED_EPOCHS)  # the same, unmodified loop
+        with capture(model, test_dir, hook_config).collect(deregister_on_exit=True):
+            query_gradients(model, query_set)
+
+        args = AttributionArguments(output_dir=f"{work}/scores", use_cpu=True, seed=SEED)
+        score = TracInAttributor(args).attribute_from_cache(
+            train_dir, test_dir, normalized_grad=True
         )
     hits = print_table(score, train_text, [hash_sample(q) for q in query_set])
     print(f"\ntop-1 proponent shares the query's topic for {hits}/{len(QUERIES)} queries")

@@ -10,11 +10,12 @@ order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import Gradient
     from dattri_llm.gradient.storage_manager import GradientStorageManager
     from dattri_llm.gradient.streaming import GradientSource
-    from dattri_llm.utils.cache import CacheBudget
+    from dattri_llm.utils.cache import CacheBudget, TensorCache
 
 LR_SCHEDULE_FILE = "lr_schedule.json"
 PARAM_GRAD_TYPE = "param_grad_layers"
@@ -173,8 +174,12 @@ def finalize_factors(
     return rep.map_layers(convert, layers=factorized)
 
 
-def _preprocess_train_layers(rep: Gradient) -> Gradient:
-    """Preprocess raw linear/conv factors once into final factors (bias column, im2col)."""
+def _preprocess_layers(rep: Gradient, *, conv: bool = True) -> Gradient:
+    """Preprocess raw linear (and, with ``conv``, conv) factors once into final factors.
+
+    Final factors carry the bias column (and the im2col patches), so kernels that see
+    the layer several times do not redo (and re-allocate) the preprocessing each time.
+    """
     from dattri_llm.gradient.gradient import Factorized
     from dattri_llm.gradient.ops.preprocess import preprocess_factorized
     from dattri_llm.gradient.ops.types import is_conv, is_linear
@@ -185,7 +190,7 @@ def _preprocess_train_layers(rep: Gradient) -> Gradient:
         if kind == "factorized"
         and rep.data[name].module_kwargs is not None
         and rep.layer_types[name] != "nn.Bilinear"
-        and (is_linear(rep.layer_types[name]) or is_conv(rep.layer_types[name]))
+        and (is_linear(rep.layer_types[name]) or (conv and is_conv(rep.layer_types[name])))
     ]
     if not names:
         return rep
@@ -291,9 +296,34 @@ def check_layer_compatibility(
     ``proj_dim``, ``proj_seed``, ``proj_type``, ``include_bias`` and
     ``projector``.
     """
+    layers = list(layers)
+    _check_signatures(
+        _layer_signatures(train, layers),
+        _layer_signatures(test, layers),
+        layers,
+        train_projection=train_projection,
+        test_projection=test_projection,
+    )
+
+
+def _layer_signatures(block: Gradient, layers: Iterable[str] | None = None) -> dict[str, tuple]:
+    """``{layer: _layer_signature}`` of ``layers`` (default: every layer) of ``block``."""
+    names = block.layer_names if layers is None else layers
+    return {name: _layer_signature(block, name) for name in names}
+
+
+def _check_signatures(
+    train: Mapping[str, tuple],
+    test: Mapping[str, tuple],
+    layers: Iterable[str],
+    *,
+    train_projection: Mapping[str, dict] | None,
+    test_projection: Mapping[str, dict] | None,
+) -> None:
+    """:func:`check_layer_compatibility` on precomputed ``{layer: signature}`` tables."""
     for name in layers:
-        sig_train = _layer_signature(train, name)
-        sig_test = _layer_signature(test, name)
+        sig_train = train[name]
+        sig_test = test[name]
         if sig_train[:2] == sig_test[:2] and sig_train[2:] != sig_test[2:]:
             raise ValueError(
                 f"layer {name!r}: train gradients ({_describe(sig_train)}) and test gradients "
@@ -400,6 +430,20 @@ def _to_device(block: Gradient, device: torch.device) -> Gradient:
     return block if block.device == device else block.to(device=device)
 
 
+class _HeldTest(NamedTuple):
+    """A prepared test block: its raw layout (for checks) and its scoring representation.
+
+    The raw captured block itself is not kept: only its layer names and signatures are
+    needed after the transform, and holding it would double the test side's memory.
+    """
+
+    layers: set[str]
+    signatures: dict[str, tuple]
+    rep: Gradient
+    keep: torch.Tensor
+    cols: torch.Tensor
+
+
 class _ScoringPass:
     """One pass of the scoring loop over a train and a test source."""
 
@@ -421,14 +465,19 @@ class _ScoringPass:
         self.device = torch.device(attributor.args.device)
         self.columns = _TestColumns()
         self.audit = _LayerAudit()
-        self.held_tests: list[tuple[Gradient, Gradient, torch.Tensor, torch.Tensor]] | None = None
+        self.held_tests: list[_HeldTest] | None = None
         self.projections = {
             "train_projection": source_projection(train_source),
             "test_projection": source_projection(test_source),
         }
 
-    def _prepared_tests(self) -> Iterator[tuple[Gradient, Gradient, torch.Tensor, torch.Tensor]]:
-        """Yield ``(raw block, transformed rep, kept rows, columns)`` for each test block."""
+    def _prepared_tests(self) -> Iterator[_HeldTest]:
+        """Yield each test block prepared for scoring.
+
+        Held (not ``loop_over_test``) representations have their dense-preferred
+        layers materialized (:func:`finalize_factors`) and their raw linear factors
+        preprocessed once, instead of once per train block.
+        """
         from dattri_llm.utils.cache import CacheBudget
 
         budget = CacheBudget(self.device)
@@ -436,13 +485,17 @@ class _ScoringPass:
         for position, (_step, block, ids) in enumerate(self.test_source):
             block = _to_device(_drop_param_grad(block), self.device)
             keep, cols = self.columns.plan(position, ids)
+            layers, signatures = set(block.layer_names), _layer_signatures(block)
             rep = self.transform_test(block)
+            del block  # the raw captures are not needed once transformed
             if not self.loop_over_test:
-                rep = finalize_factors(rep, budget=budget, held=held)
+                rep = _preprocess_layers(
+                    finalize_factors(rep, budget=budget, held=held), conv=False
+                )
                 held += rep.nbytes
-            yield block, rep, keep, cols
+            yield _HeldTest(layers, signatures, rep, keep, cols)
 
-    def tests(self) -> Iterable[tuple[Gradient, Gradient, torch.Tensor, torch.Tensor]]:
+    def tests(self) -> Iterable[_HeldTest]:
         """The test blocks for the next train block (held, or re-streamed)."""
         if self.loop_over_test:
             return self._prepared_tests()
@@ -452,22 +505,44 @@ class _ScoringPass:
                 raise ValueError("the test set is empty: the test source yielded no block")
         return self.held_tests
 
+    def _several_test_blocks(self) -> bool:
+        """Whether each train block meets more than one test block (unknown → ``True``)."""
+        if self.held_tests is not None:
+            return len(self.held_tests) > 1
+        try:
+            return len(self.test_source) != 1
+        except TypeError:
+            return True
+
     def score_block(self, block: Gradient) -> tuple[torch.Tensor, int]:
-        """Scores of one raw train block against every test block: ``((rows, num_test), T)``."""
+        """Scores of one raw train block against every test block: ``((rows, num_test), T)``.
+
+        With several test blocks, the train block's raw factors are preprocessed once and
+        its materialized layers cached across test blocks; against a single test block
+        each layer is preprocessed or materialized only while it is scored, so the
+        block's layers never hold a second copy all at once.
+        """
         from dattri_llm.utils.cache import CacheBudget, TensorCache
 
         block = _to_device(_drop_param_grad(block), self.device)
-        rep = _preprocess_train_layers(self.attributor.transform_train_rep(block))
+        layers, signatures = set(block.layer_names), _layer_signatures(block)
+        rep = self.attributor.transform_train_rep(block)
+        del block
+        tests = self.tests()
+        reused = self._several_test_blocks()
+        if reused:
+            rep = _preprocess_layers(rep)
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         tokens = 1
-        with TensorCache("memory", budget=CacheBudget(self.device)) as dense_cache:
-            for test_block, test_rep, keep, cols in self.tests():
-                layers = self.audit.record(set(block.layer_names), set(test_block.layer_names))
-                check_layer_compatibility(block, test_block, layers, **self.projections)
-                values = self._pair_scores(rep, test_rep, dense_cache)
+        cache = TensorCache("memory", budget=CacheBudget(self.device)) if reused else None
+        with cache if cache is not None else contextlib.nullcontext():
+            for test in tests:
+                shared = self.audit.record(layers, test.layers)
+                _check_signatures(signatures, test.signatures, shared, **self.projections)
+                values = self._pair_scores(rep, test.rep, cache)
                 tokens = values.shape[1] if self.token_level else 1
                 values = values.reshape(-1, values.shape[-1])
-                pieces.append((values[:, keep.to(values.device)], cols))
+                pieces.append((values[:, test.keep.to(values.device)], test.cols))
         if not pieces:
             raise ValueError("the test set is empty: the test source yielded no block")
         rows = pieces[0][0].shape[0]
@@ -476,7 +551,9 @@ class _ScoringPass:
             scores[:, cols] = values.detach().to(device="cpu", dtype=torch.float32)
         return scores, tokens
 
-    def _pair_scores(self, rep: Gradient, test_rep: Gradient, dense_cache: Any) -> torch.Tensor:
+    def _pair_scores(
+        self, rep: Gradient, test_rep: Gradient, dense_cache: TensorCache | None
+    ) -> torch.Tensor:
         """``(B_tr, B_te)`` or, token-level, ``(B_tr, T, B_te)`` scores of one block pair."""
         if self.token_level:
             return self.attributor.inner_product_per_token(rep, test_rep)
@@ -529,6 +606,7 @@ def score_sources(
     train_iter = rebatch_blocks(train_source, batch_size)
     for steps, block, ids in attributor.progress(train_iter, total=len(train_source)):
         scores, tokens = scoring.score_block(block)
+        del block  # release this block's captures before the next one is produced
         blocks.append(scores)
         for step, sample in zip(steps, ids):
             row_ids.extend([str(sample)] * tokens)

@@ -469,16 +469,22 @@ class GradientStreamer:
                 p.grad = None
             self._model.eval()
             for index, batch in enumerate(self._make_loader(shuffle=False)):
-                block, ids = self._run_batch(index, batch, loss_divisor=1)
-                for p in params:
-                    p.grad = None
-                yield self._checkpoint_step, block, ids
+                # Yield without binding the block here: a local would keep the previous
+                # batch's captures alive through the next batch's forward and backward.
+                yield self._probe_batch(index, batch, params)
         finally:
             for p, grad in zip(params, saved_grads):
                 p.grad = grad
             for module, training in saved_modes.items():
                 module.train(training)
             _set_rng_state(saved_rng)
+
+    def _probe_batch(self, index: int, batch: object, params: list[nn.Parameter]) -> StreamBatch:
+        """Run one probe batch and clear the parameter gradients it left behind."""
+        block, ids = self._run_batch(index, batch, loss_divisor=1)
+        for p in params:
+            p.grad = None
+        return self._checkpoint_step, block, ids
 
     def _trajectory_pass(self) -> Iterator[StreamBatch]:
         optimizer = self.optimizer
@@ -497,14 +503,18 @@ class GradientStreamer:
             if index % window == 0:
                 optimizer.zero_grad(set_to_none=True)
             self._learning_rates[index] = float(optimizer.param_groups[0]["lr"])
-            block, ids = self._run_batch(index, batch, loss_divisor=window)
-            if (index + 1) % window == 0 or index == last:
-                if self.defer_update:
-                    self._pending_update = True
-                else:
-                    self._apply_update()
-            yield index, block, ids
+            yield self._trajectory_batch(index, batch, window, last)
         self._apply_pending_update()
+
+    def _trajectory_batch(self, index: int, batch: object, window: int, last: int) -> StreamBatch:
+        """Run one training batch; step (or defer) the update at a window end."""
+        block, ids = self._run_batch(index, batch, loss_divisor=window)
+        if (index + 1) % window == 0 or index == last:
+            if self.defer_update:
+                self._pending_update = True
+            else:
+                self._apply_update()
+        return index, block, ids
 
     def _run_batch(self, index: int, batch: object, loss_divisor: int) -> tuple[Gradient, list]:
         """Forward + backward one batch under the hooks; return its captured block and ids."""

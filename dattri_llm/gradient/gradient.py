@@ -16,19 +16,24 @@ single row stands for every sample.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import InitVar, dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from dattri_llm.gradient.ops.types import (
+    ALL_LAYER_TYPES,
     PARAM_GRAD_TYPES,
     is_conv,
     is_conv_transpose,
     is_embedding,
     is_norm,
 )
+
+if TYPE_CHECKING:
+    from dattri_llm.gradient.ops.projection import DattriProjector
 
 __all__ = [
     "Factorized",
@@ -49,11 +54,26 @@ _SIMILARITY_METRICS = ("dot", "cosine")
 _SIMILARITY_REDUCES = ("none", "all")
 _ROUTING_MODES = ("auto", "factorized", "materialized")
 _HASH_PREFIX = 16
+# Kernel errors re-raised with the layer name prefixed (exact types only: subclasses
+# may have other constructors).
+_PREFIXED_ERRORS = (ValueError, TypeError, NotImplementedError)
 
 
 def base_layer_name(name: str) -> str:
     """Strip a virtual-invocation suffix: ``"lin@2" -> "lin"``; names without ``"@"`` unchanged."""
     return name.split("@", 1)[0]
+
+
+@contextmanager
+def _naming_layer(op: str, name: str) -> Iterator[None]:
+    """Re-raise a kernel's ``ValueError``/``TypeError``/``NotImplementedError`` inside the
+    block with ``"Gradient.<op>: layer '<name>': "`` prefixed, so the message names the layer."""
+    try:
+        yield
+    except _PREFIXED_ERRORS as error:
+        if type(error) not in _PREFIXED_ERRORS:
+            raise
+        raise type(error)(f"Gradient.{op}: layer {name!r}: {error}") from error
 
 
 def _pinning_available() -> bool:
@@ -470,6 +490,12 @@ class Gradient:
                 f"{type(value).__name__}; wrap the factors in Factorized(a, g, ...) or mark the "
                 "layer 'materialized'."
             )
+        if layer_type not in ALL_LAYER_TYPES:
+            raise ValueError(
+                f"Gradient: factorized layer {name!r} has layer type {layer_type!r}, which no "
+                f"kernel knows; use one of {sorted(ALL_LAYER_TYPES)} (a materialized payload "
+                "may carry any label)."
+            )
         for label, factor in (
             ("activation", value.activation),
             ("pre_activation_grad", value.pre_activation_grad),
@@ -681,18 +707,23 @@ class Gradient:
         """``self`` if nothing is factorized; else factorized layers become dense ``(B, d)``.
 
         Converted layers are ``"materialized"`` with indexing ``"batch"`` and keep
-        their layer type (``ops.materialize``).
+        their layer type (``ops.materialize``). Kernel errors are re-raised with the
+        layer name prefixed.
         """
         factorized = [n for n, r in self.representation.items() if r == "factorized"]
         if not factorized:
             return self
         from dattri_llm.gradient.ops.materialize import materialize
 
-        return self.map_layers(lambda _, value, lt: materialize(value, lt), layers=factorized)
+        def materialize_one(name: str, value: GradientData, layer_type: str) -> torch.Tensor:
+            with _naming_layer("materialize", name):
+                return materialize(value, layer_type)
+
+        return self.map_layers(materialize_one, layers=factorized)
 
     def project(
         self,
-        projector: object,
+        projector: DattriProjector | Callable | None,
         proj_kwargs: dict[str, dict],
         *,
         capture_style: str = "factorized",
@@ -709,6 +740,10 @@ class Gradient:
             projector: projector factory, ``DattriProjector`` or ``None`` (dattri default).
             proj_kwargs: ``{layer | "__default__": {"proj_dim": ..., "style": ..., ...}}``.
             capture_style: ``"factorized"``, ``"materialized"`` or ``"auto"`` for logra results.
+
+        Raises:
+            ValueError, TypeError, NotImplementedError: from the kernels, prefixed with
+                the layer name (e.g. ``"logra"`` requested for a norm layer).
         """
         from dattri_llm.gradient.ops.projection import DattriProjector, project_layer
 
@@ -724,14 +759,15 @@ class Gradient:
         def project_one(name: str, value: GradientData, layer_type: str) -> GradientData:
             config = dict(configs[name])
             style = config.pop("style", "logra")
-            payload, is_factorized = project_layer(
-                value,
-                layer_type,
-                shared_projector,
-                style=style,
-                capture_style=capture_style,
-                **config,
-            )
+            with _naming_layer("project", name):
+                payload, is_factorized = project_layer(
+                    value,
+                    layer_type,
+                    shared_projector,
+                    style=style,
+                    capture_style=capture_style,
+                    **config,
+                )
             if not is_factorized:
                 return payload
             relabelled.add(name)
@@ -969,7 +1005,8 @@ class Gradient:
         for name, value in self.data.items():
             if self.indexing[name] == "batch_token":
                 if isinstance(value, Factorized):
-                    value = materialize(value, self.layer_types[name])
+                    with _naming_layer("aggregate", name):
+                        value = materialize(value, self.layer_types[name])
                     representation[name] = "materialized"
                 else:
                     value = value.sum(dim=1)

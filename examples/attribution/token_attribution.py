@@ -17,6 +17,7 @@ Methods: ``graddot`` (raw inner products), ``kfac`` and ``ekfac``
 (curvature-preconditioned, relative damping).
 
 Run:  python examples/attribution/token_attribution.py --method kfac --output tokens.html
+Quick smoke run:  add ``--epochs 1 --sentences-per-topic 4``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=20, help="training epochs")
     parser.add_argument("--top-k", type=int, default=3, help="proponents shown per query")
     parser.add_argument("--damping", type=float, default=0.1, help="relative damping (K-FAC)")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--sentences-per-topic",
+        type=int,
+        default=None,
+        help="training sentences per topic (default: all 40); a few give a quick smoke run",
+    )
+    options = parser.parse_args(argv)
+    if options.sentences_per_topic is not None and options.sentences_per_topic < 1:
+        parser.error(f"--sentences-per-topic must be >= 1, got {options.sentences_per_topic}")
+    return options
 
 
 def build_model(vocab_size: int) -> GPT2LMHeadModel:
@@ -159,7 +169,11 @@ def main(argv: list[str] | None = None) -> Path:
     """Train, attribute per token, write the HTML page; return its path."""
     options = parse_args(argv)
     torch.manual_seed(SEED)
-    pairs = [(topic, s) for topic, sentences in CORPUS.items() for s in sentences]
+    pairs = [
+        (topic, s)
+        for topic, sentences in CORPUS.items()
+        for s in sentences[: options.sentences_per_topic]
+    ]
     tokenizer = WordTokenizer([s for _, s in pairs] + [q for _, q in QUERIES])
     train_set = [tokenizer.encode(s) for _, s in pairs]
     query_set = [tokenizer.encode(q) for _, q in QUERIES]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -40,18 +41,33 @@ def test_token_contributions_sum_to_sequence_score(tmp_path, cls):
     assert per_pos.abs().sum() > 0
 
 
-@pytest.mark.slow
-def test_token_attribution_example_writes_html(tmp_path):
+def load_example() -> ModuleType:
+    """Import ``examples/attribution/token_attribution.py`` as a module."""
+    spec = importlib.util.spec_from_file_location("token_attribution_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_token_attribution_example_writes_html(tmp_path, monkeypatch, capsys):
+    """The example's quick setting (1 epoch, 4 sentences per topic) writes a shaded page."""
     pytest.importorskip("transformers")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the example prepends examples/
+    example = load_example()
     out = tmp_path / "tokens.html"
-    subprocess.run(
-        [sys.executable, str(EXAMPLE), "--epochs", "1", "--method", "kfac", "--output", str(out)],
-        check=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    argv = ["--epochs", "1", "--sentences-per-topic", "4", "--top-k", "2", "--output", str(out)]
+    assert example.main([*argv, "--method", "kfac"]) == out
+    assert "(kfac, 20 training sentences)" in capsys.readouterr().out
     page = out.read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>")
+    assert page.count("<h2>query [") == 10 and page.count("<li><b>") == 20
     spans = page.count('<span class="tok"')
     assert spans > 10 and page.count('title="') >= spans
     assert "rgba(214, 39, 40" in page and "rgba(31, 119, 180" in page  # both signs shown
+
+
+def test_token_attribution_example_rejects_empty_corpus():
+    pytest.importorskip("transformers")
+    example = load_example()
+    with pytest.raises(SystemExit):
+        example.parse_args(["--sentences-per-topic", "0"])

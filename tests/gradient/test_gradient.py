@@ -195,6 +195,15 @@ def test_validate_rejects_wrong_payload_kinds():
         )
 
 
+def test_validate_rejects_unknown_layer_type_of_factorized_layer():
+    f, _ = linear_case(2, 3, 0)
+    with pytest.raises(ValueError, match=r"'lin'.*'Linear'.*nn\.Linear"):
+        Gradient({"lin": "factorized"}, {"lin": f}, {"lin": "Linear"})
+    # A dense payload's type is only a label: any string is accepted.
+    dense = Gradient({"x": "materialized"}, {"x": torch.ones(2, 3)}, {"x": "mylib.MyLayer"})
+    assert dense.layer_types["x"] == "mylib.MyLayer"
+
+
 @pytest.mark.parametrize(
     ("layer_type", "a", "g"),
     [
@@ -806,6 +815,25 @@ def test_project_materialized_capture_style():
     fact, dense = grad.project(None, cfg), grad.project(None, cfg, capture_style="materialized")
     assert dense.representation["lin"] == "materialized" and dense.indexing["lin"] == "batch"
     torch.testing.assert_close(dense.data["lin"], materialize(fact.data["lin"], "nn.Linear"))
+
+
+def test_project_and_materialize_errors_name_the_layer():
+    gen = torch.Generator().manual_seed(0)
+    norm = nn.LayerNorm(D_IN)
+    x = torch.randn(2, 3, D_IN, generator=gen)
+    r = torch.randn(2, 3, D_IN, generator=gen)
+    grad = block(ln=(_capture(norm, x, r, "nn.LayerNorm"), "nn.LayerNorm"))
+    with pytest.raises(ValueError, match=r"Gradient\.project: layer 'ln':.*'logra'.*nn\.LayerNorm"):
+        grad.project(None, {"ln": {"proj_dim": 2}})
+    dense = grad.project(None, {"ln": {"style": "dense", "proj_dim": 2}})
+    assert dense.data["ln"].shape == (2, 2)
+
+    emb, _ = embedding_case(2, 3, 0)
+    bare = block(emb=(Factorized(emb.activation, emb.pre_activation_grad, None), "nn.Embedding"))
+    with pytest.raises(ValueError, match=r"Gradient\.materialize: layer 'emb':.*module_kwargs"):
+        bare.materialize()
+    with pytest.raises(ValueError, match=r"Gradient\.aggregate: layer 'emb':.*module_kwargs"):
+        bare.aggregate()
 
 
 # ------------------------------------------------------------------------ GradientRecord

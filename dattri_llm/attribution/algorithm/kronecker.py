@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import tempfile
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -46,7 +46,9 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import Gradient
     from dattri_llm.gradient.hooks.config import HookManagerConfig
     from dattri_llm.gradient.ops.kronecker import FisherAccumulator
+    from dattri_llm.gradient.storage_manager import GradientStorageManager
     from dattri_llm.gradient.streaming import GradientSource
+    from dattri_llm.options import EKFACMode
 
 FISHER_FILE = "fisher_factors.pt"
 COVARIANCES_FILE = "kronecker_covariances.pt"
@@ -501,12 +503,30 @@ class KroneckerAttributor(BaseInnerProductAttributor):
 
         return block.map_layers(convert)
 
-    def build_score(self, *args: Any, algorithm_meta: dict | None = None, **kwargs: Any) -> Any:
+    def build_score(
+        self,
+        scores: torch.Tensor,
+        row_train_ids: list[str],
+        row_steps: list[int],
+        test_ids: list[str],
+        *,
+        algorithm_meta: dict[str, Any] | None = None,
+        layer_name: list[str] | None = None,
+        row_token_ids: list[int] | None = None,
+    ) -> AttributionScore:
         """Base ``build_score`` with ``direct_fim_layers`` added to ``algorithm_meta``."""
         meta = dict(algorithm_meta or {})
         if self.raw_fit is not None:
             meta.setdefault("direct_fim_layers", sorted(self.raw_fit[1]))
-        return super().build_score(*args, algorithm_meta=meta, **kwargs)
+        return super().build_score(
+            scores,
+            row_train_ids,
+            row_steps,
+            test_ids,
+            algorithm_meta=meta,
+            layer_name=layer_name,
+            row_token_ids=row_token_ids,
+        )
 
     # ------------------------------------------------------------------ entry points
     def _start_call(self, options: dict[str, Any], layer_name: Any, steps: Any) -> None:
@@ -839,10 +859,19 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             streamer.hook_manager.add_callback(self._recorded)
         return streamer
 
-    def collect_gradients(self, streamer: Any, store: Any, **kwargs: Any) -> Any:
+    def collect_gradients(
+        self,
+        streamer: GradientStreamer,
+        store: GradientStorageManager,
+        *,
+        offload_interval: int = 1,
+        on_block: Callable[[int, Gradient, list[str]], None] | None = None,
+    ) -> GradientStorageManager:
         """Base collection; a train collection's covariances are saved beside the store."""
         recorded = self._recorded if streamer.hook_manager is not None else None
-        result = super().collect_gradients(streamer, store, **kwargs)
+        result = super().collect_gradients(
+            streamer, store, offload_interval=offload_interval, on_block=on_block
+        )
         if recorded is not None and recorded in streamer.hook_manager.callbacks:
             recorded.all_reduce()
             covariances = {k: (a.cpu(), g.cpu()) for k, (a, g) in recorded.result().items()}
@@ -970,7 +999,7 @@ class EKFACAttributor(KroneckerAttributor):
     EKFAC_MODES: ClassVar[tuple[str, ...]] = EKFAC_MODES
 
     def __init__(
-        self, args: AttributionArguments, *, task: object | None = None, mode: str = "exact"
+        self, args: AttributionArguments, *, task: object | None = None, mode: EKFACMode = "exact"
     ) -> None:
         if mode not in EKFAC_MODES:
             raise ValueError(f"EKFACAttributor mode must be one of {EKFAC_MODES}, got {mode!r}.")

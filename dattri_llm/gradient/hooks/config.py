@@ -23,6 +23,7 @@ from dattri_llm.gradient.hooks.hooks import (
     owns_trainable_params,
     unwrap_model,
 )
+from dattri_llm.options import CaptureStyle
 
 __all__ = [
     "INVASIVE_LINEAR_IO",
@@ -214,7 +215,7 @@ class HookManagerConfig:
         module_kwargs: dict[str, dict] | None = None,
         projection_kwargs: dict[str, dict] | None = None,
         projector: Callable | None = None,
-        capture_style: str = "factorized",
+        capture_style: CaptureStyle = "factorized",
         include_frozen: bool = False,
     ) -> None:
         self.hook_types = _check_hook_types(hook_types)

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dattri_llm.options import CaptureStyle
+
 __all__ = [
     "HF_Conv1D",  # noqa: F822 (resolved lazily by __getattr__)
     "LayerBuffer",
@@ -476,7 +478,7 @@ def register_linear_io_hooks(
     type_overrides: dict[str, str] | None = None,
     kwargs_overrides: dict[str, dict] | None = None,
     projection_kwargs: dict[str, dict] | None = None,
-    capture_style: str = "factorized",
+    capture_style: CaptureStyle = "factorized",
     projector: Callable | None = None,
     offload_to_cpu: bool = False,
     preconditioner: Callable | None = None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -144,7 +144,7 @@ class HookManager:
         sample_hash_fields: Iterable[str | int] | str | int | None = None,
         non_batch_first_layers: Iterable[str] | None = None,
         offload_to_cpu: bool = False,
-        optimizer: Any = None,
+        optimizer: torch.optim.Optimizer | Callable[[], torch.optim.Optimizer] | None = None,
     ) -> None:
         if optimizer is not None:
             raise NotImplementedError("preconditioned capture is not implemented yet")
@@ -368,27 +368,32 @@ class HookManager:
         On enter: :meth:`register`, reset buffers/flags and the last gradient,
         start collecting. On exit (always): stop collecting, call every
         callback's ``on_context_end()``, then :meth:`remove` if
-        ``deregister_on_exit`` (the last gradient is kept).
+        ``deregister_on_exit`` (the last gradient is kept). While it is active
+        with ``invasive_linear_io`` layers, an optimizer step over their
+        parameters raises ``RuntimeError`` (they compute no weight gradient).
         """
         if self._collecting:
             raise RuntimeError("HookManager.collect() is already active; do not nest it.")
         self.register()
+        if self._invasive and unwrap_model(self.model).training:
+            warnings.warn(
+                f"invasive_linear_io layers {sorted(self._invasive)} compute no weight/bias "
+                "gradients while collecting: an optimizer step over them raises RuntimeError. "
+                "Use it for attribution at a fixed checkpoint (model.eval()), not for training.",
+                UserWarning,
+                stacklevel=3,
+            )
+        step_guard = self._guard_invasive_optimizer_steps()
         with self._lock:
             self._reset_step()
             self._last_gradient = None
             self._collecting = True
-        if self._invasive and unwrap_model(self.model).training:
-            warnings.warn(
-                f"invasive_linear_io layers {sorted(self._invasive)} compute no weight/bias "
-                "gradients while collecting: an optimizer step will not update them. Use it "
-                "for attribution at a fixed checkpoint (model.eval()), not for training.",
-                UserWarning,
-                stacklevel=3,
-            )
         try:
             yield self
         finally:
             self._collecting = False
+            if step_guard is not None:
+                step_guard.remove()
             for callback in list(self.callbacks):
                 on_context_end = getattr(callback, "on_context_end", None)
                 if callable(on_context_end):
@@ -397,6 +402,45 @@ class HookManager:
                 last = self._last_gradient
                 self.remove()
                 self._last_gradient = last
+
+    def _guard_invasive_optimizer_steps(self) -> torch.utils.hooks.RemovableHandle | None:
+        """Refuse optimizer steps over invasively hooked parameters while collecting.
+
+        Registers a global optimizer step pre-hook (``None`` when no layer is
+        invasive) that raises ``RuntimeError`` if the stepping optimizer holds
+        a parameter of an ``invasive_linear_io`` layer: those layers compute no
+        weight/bias gradient, so the update would silently skip them.
+        """
+        if not self._invasive:
+            return None
+        modules = dict(unwrap_model(self.model).named_modules())
+        owners = {
+            id(param): name
+            for name in self._invasive
+            for param in modules[name].parameters(recurse=False)
+        }
+
+        def refuse_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            held = sorted(
+                {
+                    owners[id(param)]
+                    for group in optimizer.param_groups
+                    for param in group["params"]
+                    if id(param) in owners
+                }
+            )
+            if held:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() inside HookManager.collect() would "
+                    f"update invasive_linear_io layers {held}, which compute no weight/bias "
+                    "gradients (capture only). Use 'linear_io' for these layers when training "
+                    "or selecting data; keep invasive_linear_io for attribution at a fixed "
+                    "checkpoint."
+                )
+
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        return register_optimizer_step_pre_hook(refuse_step)
 
     def get_gradient(self) -> Gradient:
         """The assembled gradient of the most recently completed step (``RuntimeError`` if none)."""
@@ -563,15 +607,13 @@ class HookManager:
                 record = self._assemble_record()
             finally:
                 self._reset_step()
-            if record is None:
-                return
             self._step += 1
             self._last_gradient = record.gradient
         with torch.no_grad():
             for callback in list(self.callbacks):
                 callback.on_step_end(record)
 
-    def _assemble_record(self) -> GradientRecord | None:
+    def _assemble_record(self) -> GradientRecord:
         from dattri_llm.gradient.gradient import Gradient, GradientRecord
         from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
 
@@ -602,7 +644,12 @@ class HookManager:
                     f"{sorted(self._state.forward_layers)} ran forward; the loss does not "
                     "depend on the hooked layers (detached or frozen path)."
                 )
-            return None
+            raise RuntimeError(
+                f"A backward through {type(self.model).__name__} inside collect() reached none "
+                f"of the hooked layers ({self.layer_names + self.param_layer_names}), so no "
+                "record could be assembled; hook the layers this loss depends on, or run this "
+                "backward outside collect()."
+            )
         gradient = Gradient(representation, data, layer_types, indexing)
         self._warn_broadcast(gradient)
         return GradientRecord(

@@ -21,7 +21,7 @@ eigendecompositions and inverses run in at least float32.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -423,9 +423,9 @@ def _reduce_sums(*tensors: Tensor) -> None:
 class LayerKroneckerAccumulator:
     """Running K-FAC covariance sums ``Σ a aᵀ``, ``Σ g gᵀ`` of one layer over token rows."""
 
-    a_sum: Tensor | None = None
-    g_sum: Tensor | None = None
-    rows: int = 0
+    a_sum: Tensor | None = field(default=None, init=False)
+    g_sum: Tensor | None = field(default=None, init=False)
+    rows: int = field(default=0, init=False)
 
     def update(
         self,
@@ -488,8 +488,8 @@ class LayerKroneckerAccumulator:
 class LayerFisherAccumulator:
     """Running dense empirical Fisher ``Σ g gᵀ`` of one layer over samples."""
 
-    total: Tensor | None = None
-    count: int = 0
+    total: Tensor | None = field(default=None, init=False)
+    count: int = field(default=0, init=False)
 
     def update(
         self,
@@ -543,7 +543,7 @@ class LayerFisherAccumulator:
 class KroneckerAccumulator:
     """Per-layer K-FAC covariances over :class:`Gradient` blocks."""
 
-    layers: dict[str, LayerKroneckerAccumulator] = field(default_factory=dict)
+    layers: dict[str, LayerKroneckerAccumulator] = field(default_factory=dict, init=False)
 
     def update(self, gradient: Gradient, layers: Iterable[str]) -> None:
         """Accumulate the named layers of a block (absent layers skipped).
@@ -628,7 +628,7 @@ class FisherAccumulator:
         return {name: acc.result() for name, acc in self.layers.items()}
 
 
-def _dense_width(value: Any, layer_type: str) -> int:
+def _dense_width(value: Factorized | Tensor, layer_type: str) -> int:
     """Per-sample coordinate count of a layer payload without materializing it."""
     if isinstance(value, torch.Tensor):
         return int(value[0].numel()) if value.dim() == 2 else int(value.shape[-1])

@@ -13,13 +13,16 @@ The coordinate order is the normative layout of ``gradient-model.md``:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dattri_llm.gradient.ops import dtypes
 from dattri_llm.gradient.ops.preprocess import check_layer_type, preprocess_factors
 from dattri_llm.gradient.ops.types import is_conv_transpose, is_embedding, is_norm
+
+if TYPE_CHECKING:
+    from dattri_llm.gradient.gradient import Factorized
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
@@ -52,10 +55,12 @@ def _materialize_embedding(
 
 
 def _check_token_axes(a: torch.Tensor, g: torch.Tensor, layer_type: str) -> None:
+    """Raise ``ValueError`` unless ``a : (B, S, K)`` and ``g : (B, S, D)`` share ``(B, S)``."""
     if a.shape[:2] != g.shape[:2]:
         raise ValueError(
             f"{layer_type}: factors disagree on batch/token axes: a {tuple(a.shape)}, "
-            f"g {tuple(g.shape)} (expected (B, S, K) and (B, S, D))."
+            f"g {tuple(g.shape)} (expected (B, S, K) and (B, S, D)); pass both factors of the "
+            "same capture, batch-first, with this layer's module_kwargs."
         )
 
 
@@ -100,7 +105,10 @@ def materialize_factors(
 
 
 def materialize(
-    f: Any, layer_type: str, include_bias: bool = True, per_token: bool = False
+    f: Factorized | torch.Tensor,
+    layer_type: str,
+    include_bias: bool = True,
+    per_token: bool = False,
 ) -> torch.Tensor:
     """Materialize a ``Factorized`` (via :func:`materialize_factors`) or a dense tensor.
 

@@ -40,7 +40,7 @@ Float tensors are processed in the compute dtype (``dtypes.resolve``).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,9 @@ from dattri_llm.gradient.ops.types import (
     is_linear,
     is_norm,
 )
+
+if TYPE_CHECKING:
+    from dattri_llm.gradient.gradient import Factorized
 
 _INSTANCE_NORM_TYPES = frozenset({"nn.InstanceNorm1d", "nn.InstanceNorm2d", "nn.InstanceNorm3d"})
 
@@ -525,7 +528,7 @@ def preprocess_factors(
 
 
 def preprocess_factorized(
-    f: Any, layer_type: str, include_bias: bool = True
+    f: Factorized, layer_type: str, include_bias: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`preprocess_factors` on a ``Factorized`` (made batch-first, its ``module_kwargs``)."""
     f = f.as_batch_first()

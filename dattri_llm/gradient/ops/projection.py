@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from dattri_llm.gradient.ops.types import (
     is_norm,
 )
 from dattri_llm.utils.cache import TensorCache
+
+if TYPE_CHECKING:
+    from dattri_llm.gradient.gradient import Factorized
 
 PROJECTION_STYLES = ("logra", "dense", "mask")
 CAPTURE_STYLES = ("factorized", "materialized", "auto")
@@ -710,7 +713,7 @@ def project_factors(
 
 
 def project_factorized(
-    f: Any,
+    f: Factorized,
     layer_type: str,
     projector: DattriProjector | Callable | None,
     *,
@@ -756,7 +759,7 @@ def project_materialized_factors(
 
 
 def project_materialized(
-    f: Any,
+    f: Factorized | torch.Tensor,
     layer_type: str,
     projector: DattriProjector | Callable | None,
     *,
@@ -923,7 +926,7 @@ def mask_materialized(
 
 
 def mask_factorized(
-    f: Any,
+    f: Factorized | torch.Tensor,
     layer_type: str,
     projector: DattriProjector | Callable | None,
     *,
@@ -1011,14 +1014,14 @@ def should_materialize(capture_style: str, seq_len: int, k_a: int, k_g: int) -> 
 
 
 def project_layer(
-    f: Any,
+    f: Factorized | torch.Tensor,
     layer_type: str,
     projector: DattriProjector | Callable | None,
     *,
     style: str = "logra",
     capture_style: str = "factorized",
     **proj_kwargs: Any,
-) -> tuple[Any, bool]:
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | torch.Tensor, bool]:
     """Project one layer's gradient by ``style`` → ``(payload, is_factorized)``.
 
     ``"logra"`` kept factorized → ``((a_p, g_p), True)``; materialized by the

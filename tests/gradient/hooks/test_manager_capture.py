@@ -310,8 +310,73 @@ def test_invasive_capture_equals_linear_io_and_leaves_weight_grad_none():
 
 def test_invasive_in_training_mode_warns():
     manager = HookManager(mlp().train(), HookManagerConfig(invasive_linear_io=["fc1"]))
-    with pytest.warns(UserWarning, match="optimizer step will not update"), manager.collect():
+    with pytest.warns(UserWarning, match="optimizer step over them raises"), manager.collect():
         pass
+
+
+def test_invasive_refuses_optimizer_step_while_collecting():
+    model = mlp().eval()
+    x, y = batch()
+    manager = HookManager(model, HookManagerConfig(invasive_linear_io=["fc1"], linear_io=["fc2"]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with manager.collect():
+        loss_fn(model(x), y, "sum").backward()
+        with pytest.raises(RuntimeError, match=r"SGD\.step\(\).*\['fc1'\].*'linear_io'"):
+            opt.step()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, before[name], rtol=0, atol=0)
+    opt.step()  # the guard ends with the collection
+    assert not torch.equal(model.fc2.weight, before["fc2.weight"])
+    model.fc2.load_state_dict({"weight": before["fc2.weight"], "bias": before["fc2.bias"]})
+    # An optimizer without invasive parameters may step inside collect().
+    fc2_opt = torch.optim.SGD(model.fc2.parameters(), lr=0.1)
+    with manager.collect():
+        loss_fn(model(x), y, "sum").backward()
+        fc2_opt.step()
+    assert not torch.equal(model.fc2.weight, before["fc2.weight"])
+
+
+def test_invasive_allows_optimizer_step_outside_collect_and_frozen_probe():
+    model = mlp().eval()
+    x, y = batch()
+    cb = CaptureCallback()
+    manager = HookManager(model, HookManagerConfig(invasive_linear_io=["fc1"]), callbacks=[cb])
+    with manager.collect():  # frozen probe: no optimizer involved
+        loss_fn(model(x), y, "sum").backward()
+    assert cb.record is not None and model.fc1.weight.grad is None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.fc1.weight.detach().clone()
+    opt.zero_grad()
+    loss_fn(model(x), y, "sum").backward()  # outside collect(): the original forward runs
+    opt.step()
+    assert model.fc1.weight.grad is not None
+    assert not torch.equal(model.fc1.weight, before)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head_a = nn.Linear(5, 2)
+        self.head_b = nn.Linear(5, 2)
+
+    def forward(self, x, use_a=True):
+        return self.head_a(x) if use_a else self.head_b(x)
+
+
+def test_backward_reaching_no_hooked_layer_raises():
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x, _ = batch()
+    manager = HookManager(model, HookManagerConfig(linear_io=["head_a"]))
+    with manager.collect():
+        with pytest.raises(
+            RuntimeError, match=r"reached none of the hooked layers \(\['head_a'\]\)"
+        ):
+            model(x, use_a=False).sum().backward()
+        model(x).sum().backward()  # the manager recovers: the next step captures head_a
+    assert set(manager.get_gradient().layer_names) == {"head_a"}
+    assert manager.steps_collected == 1
 
 
 def test_remove_is_idempotent_and_detaches():

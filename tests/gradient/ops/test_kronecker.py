@@ -125,6 +125,37 @@ def test_kfac_precondition_factorized_and_materialized_agree_with_dense(kind):
     torch.testing.assert_close(kfac_precondition_materialized(grads, A_inv, G_inv), expected)
 
 
+def test_grouped_conv_kfac_shares_a_and_is_block_diagonal_in_g():
+    """choices.md: one ``A`` over every group's patch rows, ``G`` block-diagonal per group."""
+    gen = torch.Generator().manual_seed(3)
+    groups, c_in, c_out = 2, 4, 6
+    cg, og = c_in // groups, c_out // groups
+    module = nn.Conv2d(c_in, c_out, 2, padding=1, stride=2, groups=groups).double()
+    x = torch.randn(3, c_in, 5, 5, generator=gen, dtype=torch.float64)
+    r = torch.randn(3, c_out, 3, 3, generator=gen, dtype=torch.float64)
+    kw = extract_module_kwargs(module, "nn.Conv2d")
+    A, G = kfac_factors(x, r, "nn.Conv2d", kw)
+    a_rows, g_rows = [], []
+    for j in range(groups):
+        sub = nn.Conv2d(cg, og, 2, padding=1, stride=2).double()
+        a_j, g_j = conv_rows(sub, x[:, j * cg : (j + 1) * cg], r[:, j * og : (j + 1) * og])
+        g_full = g_j.new_zeros(g_j.shape[0], c_out)
+        g_full[:, j * og : (j + 1) * og] = g_j
+        a_rows.append(a_j)
+        g_rows.append(g_full)
+    A_ref, G_ref = covariances(torch.cat(a_rows), torch.cat(g_rows))
+    torch.testing.assert_close(A, A_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(G, G_ref, rtol=1e-10, atol=1e-10)
+    assert A.shape == (cg * 4 + 1, cg * 4 + 1)
+    assert torch.count_nonzero(G[:og, og:]) == 0 and torch.count_nonzero(G[:og, :og]) > 0
+    # The operator acts exactly on the compact per-group layout of the reference gradients.
+    grads = expected_layout("nn.Conv2d", reference_grads(module, (x,), r))
+    A_inv, G_inv = sym_inverse(A, 0.1), sym_inverse(G, 0.1)
+    expected = grads @ kfac_operator(A_ref, G_ref, 0.1) @ grads.T
+    got = kfac_cross_factors(x, r, x, r, "nn.Conv2d", A_inv, G_inv, kw, kw)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
 def test_conv_transpose_kfac_uses_activation_and_gradient_indices():
     torch.manual_seed(1)
     module = nn.ConvTranspose1d(2, 3, 3, stride=2).double()

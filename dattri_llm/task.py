@@ -77,11 +77,19 @@ def default_checkpoint_load_func(model: nn.Module, checkpoint: object) -> nn.Mod
 
 
 def _unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
-    """Split a DDP/FSDP/DataParallel wrapper into ``(inner module, wrapper or None)``."""
+    """Split a DDP/FSDP/DataParallel wrapper into ``(inner module, wrapper or None)``.
+
+    A wrapper exposes the wrapped model as ``.module`` and owns no parameter of
+    its own; a model that merely has a submodule called ``module`` next to other
+    parameters (a backbone plus a head) is not a wrapper.
+    """
     inner = getattr(model, "module", None)
-    if isinstance(inner, nn.Module):
-        return inner, model
-    return model, None
+    if not isinstance(inner, nn.Module) or inner is model:
+        return model, None
+    inner_params = {id(p) for p in inner.parameters()}
+    if any(id(p) not in inner_params for p in model.parameters()):
+        return model, None
+    return inner, model
 
 
 class AttributionTask:
@@ -91,7 +99,9 @@ class AttributionTask:
         loss_func: train-side objective ``(model, batch) -> scalar`` called on the
             live model; ``None`` → :func:`default_loss_func`.
         model: the model, unwrapped or already DDP/FSDP-wrapped (the wrapped
-            module is the hook target, the wrapper the forward target).
+            module is the hook target, the wrapper the forward target). A
+            wrapper is recognised as a module exposing ``.module`` that owns no
+            parameter outside it.
         checkpoints: one checkpoint or a list/tuple of them (ensemble); each a
             state dict, a path, or ``None`` (= current parameters).
         target_func: test-side objective; ``None`` → ``loss_func``.

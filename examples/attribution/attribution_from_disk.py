@@ -100,7 +100,7 @@ cos = attributor.attribute_from_cache(
 # Identity = content hash of the tensors the model was called with (input_ids and labels).
 row_of = {hash_sample({"input_ids": x, "labels": x}): k for k, x in enumerate(train_ids)}
 h = hash_sample({"input_ids": train_ids[5], "labels": train_ids[5]})
-print("train sample 5 is stored at (step, row):", train_store.lookup_by_hash(h))
+print("train sample 5 is stored at (step, sample_idx):", train_store.lookup_by_hash(h))
 print("its Grad-Cos with the queries:", cos.query([h]).squeeze(0).tolist())
 cos_ids, cos_matrix = cos.agnostic_matrix()
 print(

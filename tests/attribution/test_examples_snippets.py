@@ -337,7 +337,16 @@ test_ds = [{"input_ids": i, "labels": i} for i in ids[4:]]
 """
 
 
-def test_one_call_live_kfac(tmp_path, monkeypatch):
+@pytest.fixture
+def single_thread():
+    """Run on one thread: small eigendecompositions stall on busy 2-core machines otherwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_one_call_live_kfac(tmp_path, monkeypatch, single_thread):
     pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)
     ns: dict = {}

@@ -464,3 +464,27 @@ def test_scoring_before_fit_and_foreign_fit_errors(stores, tmp_path):
     fisher_dir = attributor.fit(other.save_dir)
     with pytest.raises(ValueError, match=r"layer 'fc1'.*A_inv is \(5, 5\)"):
         attributor.attribute_from_cache(tr, te, fisher_dir=fisher_dir)
+
+
+def test_curvature_methods_score_the_first_checkpoint_only(tmp_path):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = MLP()
+    train, test = mlp_data(N_TRAIN, 1), mlp_data(N_TEST, 2)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    other = {k: torch.randn_like(v) for k, v in first.items()}
+    task = AttributionTask(mlp_loss, model, checkpoints=[first, other])
+    train_ds = [(train[0][i], train[1][i]) for i in range(N_TRAIN)]
+    test_ds = [(test[0][i], test[1][i]) for i in range(N_TEST)]
+    expected = _reference(model, train, test, "kfac")
+    attributor = KFACAttributor(_args(tmp_path), task=task)
+    assert attributor.num_checkpoints() == 2
+    with pytest.warns(UserWarning, match="first checkpoint only"):
+        assert attributor.checkpoints() == [0]
+    with pytest.warns(UserWarning, match="first checkpoint only"):
+        score = attributor.attribute(train_ds, test_ds, damping=DAMPING)
+    assert score.row_steps == [0] * N_TRAIN and score.algorithm_meta["n_checkpoints"] == 1
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(
+        score.agnostic_matrix()[1].double(), expected, rtol=1e-4, atol=1e-4 * scale
+    )

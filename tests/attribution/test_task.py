@@ -76,6 +76,32 @@ def test_wrapped_model():
         task.load_checkpoint(0)
 
 
+class BackboneAndHead(nn.Module):
+    """Not a wrapper: a submodule named ``module`` next to parameters of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(2, 3)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.head(self.module(x))
+
+
+def test_submodule_named_module_is_not_a_wrapper():
+    model = BackboneAndHead()
+    task = AttributionTask(loss, model, checkpoints=[model.state_dict()])
+    assert task.model is model and task.forward_model is None and not task.is_wrapped
+    assert task.load_checkpoint(0) is model
+
+
+def test_torch_wrappers_are_unwrapped():
+    inner = nn.Linear(2, 1)
+    wrapped = nn.DataParallel(inner)
+    task = AttributionTask(loss, wrapped)
+    assert task.model is inner and task.forward_model is wrapped
+
+
 def test_checkpoint_loading(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(2, 1)

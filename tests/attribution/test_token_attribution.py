@@ -56,7 +56,11 @@ def test_token_attribution_example_writes_html(tmp_path, monkeypatch, capsys):
     example = load_example()
     out = tmp_path / "tokens.html"
     argv = ["--epochs", "1", "--sentences-per-topic", "4", "--top-k", "2", "--output", str(out)]
-    assert example.main([*argv, "--method", "kfac"]) == out
+    threads = torch.get_num_threads()
+    try:
+        assert example.main([*argv, "--method", "kfac"]) == out
+    finally:
+        torch.set_num_threads(threads)  # main() runs single-threaded
     assert "(kfac, 20 training sentences)" in capsys.readouterr().out
     page = out.read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>")

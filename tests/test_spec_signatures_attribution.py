@@ -288,11 +288,6 @@ def test_attribution_utils():
     assert attribution_utils.LR_SCHEDULE_FILE == "lr_schedule.json"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attribution/utils.py (owned by R1) names the parameter 'directory'; the contract "
-    "writes write_lr_schedule(dir, lrs) / read_lr_schedule(dir)",
-)
 def test_lr_schedule_parameter_names():
     check(
         attribution_utils,

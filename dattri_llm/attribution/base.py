@@ -122,6 +122,7 @@ class BaseInnerProductAttributor(BaseAttributor):
         self.args = args
         self.task: AttributionTask | None = as_task(task) if task is not None else None
         self.scored_layers: list[str] = []
+        self._hooked_layers: list[str] = []
         self._verbose = False
 
     # ------------------------------------------------------------------ task delegation
@@ -499,6 +500,7 @@ class BaseInnerProductAttributor(BaseAttributor):
             train_dataset, checkpoint_step=k, enable_update=enable_update, hook_config=hook_config
         )
         layers = list(train.hook_manager.layer_names)
+        self._hooked_layers = layers
         try:
             self.collect_gradients(train, train_store, on_block=on_train_block)
         finally:
@@ -657,7 +659,7 @@ class BaseInnerProductAttributor(BaseAttributor):
             ):
                 score = self.attribute_from_cache(train_dir, test_dir, **score_kwargs)
                 results.append(_score_result(score))
-            return results, self.scored_layers
+            return results, list(self._hooked_layers)
         from dattri_llm.gradient.storage_manager import GradientStorageManager
 
         for k in self._ensemble(enable_update):

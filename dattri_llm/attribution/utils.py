@@ -104,9 +104,9 @@ def collect_gradients(
     return store
 
 
-def write_lr_schedule(directory: str | Path, lrs: Mapping[int, float]) -> Path:
-    """Write ``{step: lr}`` as ``lr_schedule.json`` in ``directory``; return the file path."""
-    path = Path(directory) / LR_SCHEDULE_FILE
+def write_lr_schedule(dir: str | Path, lrs: Mapping[int, float]) -> Path:  # noqa: A002
+    """Write ``{step: lr}`` as ``lr_schedule.json`` in ``dir``; return the file path."""
+    path = Path(dir) / LR_SCHEDULE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {str(int(step)): float(lr) for step, lr in sorted(lrs.items())}
     tmp = path.with_suffix(".json.tmp")
@@ -115,9 +115,9 @@ def write_lr_schedule(directory: str | Path, lrs: Mapping[int, float]) -> Path:
     return path
 
 
-def read_lr_schedule(directory: str | Path) -> dict[int, float] | None:
-    """Read ``lr_schedule.json`` from ``directory`` (``None`` when absent)."""
-    path = Path(directory) / LR_SCHEDULE_FILE
+def read_lr_schedule(dir: str | Path) -> dict[int, float] | None:  # noqa: A002
+    """Read ``lr_schedule.json`` from ``dir`` (``None`` when absent)."""
+    path = Path(dir) / LR_SCHEDULE_FILE
     if not path.is_file():
         return None
     payload = json.loads(path.read_text(encoding="utf-8"))
@@ -560,6 +560,29 @@ class _ScoringPass:
         return self.attributor.inner_product(rep, test_rep, dense_cache=dense_cache)
 
 
+def _train_blocks(
+    source: GradientSource, batch_size: int
+) -> Iterator[tuple[list[int], Gradient, list[str]]]:
+    """``rebatch_blocks(source, batch_size)``; a live streamer of that batch size passes through.
+
+    A ``GradientStreamer`` yields batches of its own batch size (only the last one is
+    shorter), so re-batching it to the same size is the identity. Passing it through
+    here drops each block as soon as the consumer is done with it, instead of holding
+    its captures while the streamer runs the next batch's forward and backward.
+    """
+    from dattri_llm.gradient._live import GradientStreamer
+    from dattri_llm.gradient.streaming import rebatch_blocks
+
+    if not isinstance(source, GradientStreamer) or source._batch_size != batch_size:
+        yield from rebatch_blocks(source, batch_size)
+        return
+    for step, block, ids in source:
+        item = ([step] * len(ids), block, list(ids))
+        del block
+        yield item
+        del item
+
+
 def score_sources(
     attributor: BaseInnerProductAttributor,
     train_source: GradientSource,
@@ -580,7 +603,6 @@ def score_sources(
     ``0..T-1``).
     """
     from dattri_llm.attribution.base import check_granularity
-    from dattri_llm.gradient.streaming import rebatch_blocks
 
     check_granularity(attribution_granularity)
     if loop_over_test and not getattr(test_source, "reusable", False):
@@ -602,8 +624,7 @@ def score_sources(
     row_tokens: list[int] | None = [] if scoring.token_level else None
     if not loop_over_test:
         scoring.tests()  # queries are taken before the train source moves (θ_0 for trajectories)
-    batch_size = attributor.args.per_device_train_batch_size
-    train_iter = rebatch_blocks(train_source, batch_size)
+    train_iter = _train_blocks(train_source, attributor.args.per_device_train_batch_size)
     for steps, block, ids in attributor.progress(train_iter, total=len(train_source)):
         scores, tokens = scoring.score_block(block)
         del block  # release this block's captures before the next one is produced

@@ -276,11 +276,13 @@ def rebatch_blocks(
             if buffer.rows:
                 yield buffer.take(buffer.rows)
             yield rows, block, list(ids)
+            del block  # release it before the source produces the next one
             continue
         if buffer.rows and _structure(block) != structure:
             yield buffer.take(buffer.rows)
         structure = _structure(block)
         buffer.add(rows, block, list(ids))
+        del block
         while buffer.rows >= batch_size:
             yield buffer.take(batch_size)
     if buffer.rows:

@@ -9,7 +9,9 @@ the transformer blocks (``query_key_value``, ``dense``, ``dense_h_to_4h``, ``den
 loss = sum over samples of each sequence's mean next-token loss, batch size 16 on both sides.
 
 Configurations: ``full`` (unprojected per-sample gradients) and ``logra`` (capture-time
-Kronecker projection with ``k_a = k_g = 64``, a seeded Gaussian projector).
+Kronecker projection with ``k_a = k_g = 64``, the library's default projector: dattri's
+``random_project`` when installed, else the built-in
+``dattri_llm.gradient.ops.projection.random_project``).
 
 Peers (each run in its own interpreter, see ``--peer-python``):
 * kronfluence — ``FactorArguments(strategy="identity")`` (no preconditioning = Grad-Dot),
@@ -125,20 +127,6 @@ def measure(call) -> dict:
     return {"seconds": seconds, "peak_mib": (peak - rss_before) / 1024}
 
 
-def gaussian_projector(
-    feature, feature_batch_size=None, *, proj_dim, proj_seed=0, device="cpu", **_
-):
-    """A seeded Gaussian random-projection factory (dattri ``random_project`` protocol)."""
-    d = feature.shape[-1]
-    gen = torch.Generator().manual_seed(int(proj_seed))
-    matrix = torch.randn(d, proj_dim, generator=gen) / proj_dim**0.5
-
-    def project(x: torch.Tensor) -> torch.Tensor:
-        return x @ matrix.to(device=x.device, dtype=x.dtype)
-
-    return project
-
-
 # ---------------------------------------------------------------------------------- workers
 
 
@@ -156,7 +144,6 @@ def run_dattri_llm(proj: str, n_queries: int) -> dict:
         config = HookManagerConfig(
             linear_io=[LINEAR],
             projection_kwargs={"__default__": {"style": "logra", "proj_dim": K_PROJ}},
-            projector=gaussian_projector,
         )
     else:
         config = HookManagerConfig(linear_io=[LINEAR])
@@ -247,8 +234,17 @@ WORKERS = {"dattri_llm": run_dattri_llm, "kronfluence": run_kronfluence, "logix"
 # ----------------------------------------------------------------------------------- driver
 
 
-def run_child(python: str, library: str, proj: str, n_queries: int) -> dict:
-    cmd = [python, __file__, "--worker", library, "--proj", proj, "--queries", str(n_queries)]
+def run_child(
+    python: str,
+    library: str,
+    proj: str,
+    n_queries: int,
+    script: str = __file__,
+    extra: tuple[str, ...] = (),
+) -> dict:
+    """Run one worker of ``script`` in a fresh ``python``; its JSON result or a skip reason."""
+    cmd = [python, script, "--worker", library, "--proj", proj, "--queries", str(n_queries)]
+    cmd += list(extra)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -285,17 +281,20 @@ def machine_line() -> str:
     )
 
 
-def render(rows: list[dict], peer_python: str) -> str:
+def render(rows: list[dict], peer_python: str, total_seconds: float) -> str:
     lines = [
         "# Throughput: Grad-Dot on a Pythia-style GPT-NeoX (CPU)",
         "",
         f"Date: {datetime.date.today().isoformat()}. Machine: {machine_line()}.",
-        f"Peers ran under `{peer_python}`. Produced by `experiments/benchmark/throughput.py`.",
+        f"Peers ran under `{peer_python}`. Produced by `experiments/benchmark/throughput.py` "
+        f"in {total_seconds / 60:.1f} min ({max(r.get('rounds', 0) for r in rows)} rounds).",
         "",
         f"Workload: GPT-NeoX from config (4 layers, hidden 256, 4 heads, MLP 1024, vocab {VOCAB}),",
         f"{N_TRAIN} training sequences x {SEQ} tokens, fp32, batch {BATCH}, "
         "16 hooked linear layers;",
-        f"`logra` = capture-time Kronecker projection k_a = k_g = {K_PROJ}.",
+        f"`logra` = capture-time Kronecker projection k_a = k_g = {K_PROJ} with the library's",
+        "default projector (`DattriProjector(None)`: dattri is not installed here, so the",
+        "built-in `dattri_llm.gradient.ops.projection.random_project`, Gaussian).",
         "Throughput = training samples per second of one attribution call (both sides' gradients",
         "and scoring, after a warm-up call). Peak memory = growth of peak RSS (VmHWM) over the RSS",
         "before the call (extra host memory the call touched). Medians over interleaved rounds,",
@@ -337,11 +336,12 @@ def main() -> None:
         help="interpreter that has the peer libraries installed",
     )
     parser.add_argument("--out", default=str(RESULTS / "throughput.md"))
-    parser.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds; medians are reported")
     opts = parser.parse_args()
     if opts.worker:
         print(json.dumps(WORKERS[opts.worker](opts.proj, opts.queries)), flush=True)
         return
+    start = time.perf_counter()
     runs: dict[tuple[str, str, int], list[dict]] = {}
     missing: dict[str, dict] = {}  # libraries that failed to import: not spawned again
     for _ in range(opts.repeats):  # interleaved rounds, so background load hits all alike
@@ -361,7 +361,7 @@ def main() -> None:
                     print(library, proj, n_queries, result, flush=True)
     rows = [aggregate(library, proj, q, results) for (library, proj, q), results in runs.items()]
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(opts.out).write_text(render(rows, opts.peer_python))
+    Path(opts.out).write_text(render(rows, opts.peer_python, time.perf_counter() - start))
     print(f"wrote {opts.out}")
 
 

@@ -1,30 +1,30 @@
-"""K-FAC / EK-FAC attribution throughput, with kronfluence as a peer when it is installed.
+"""K-FAC / EK-FAC attribution throughput on the Grad-Dot workload, against kronfluence.
 
-Model (pure PyTorch, so the peer can run in a venv without ``transformers``): a
-token MLP language model -- embedding (vocabulary 512, width 128), four residual
-blocks ``Linear(128, 512) -> GELU -> Linear(512, 128)``, output head -- on random
-token ids, ``--n-train`` training and ``--n-test`` query sequences of ``--seq``
-tokens, float32, CPU. Loss: sum over sequences of the mean next-token cross
-entropy. Tracked layers: the eight block ``nn.Linear`` layers (the same set for
-every row).
+Workload: exactly that of ``throughput.py`` (imported from it): GPT-NeoX from config
+(4 layers, hidden 256, 4 heads, MLP 1024, vocab 1024), 256 random training sequences of
+128 tokens, 1 or 16 query sequences, fp32 CPU, batch 16 on both sides, the 16 linear
+layers of the transformer blocks, loss = sum over samples of each sequence's mean
+next-token loss (empirical Fisher).
 
-Rows (each the whole attribution: capture, fit, preconditioning, scoring):
+Rows (each one whole attribution call: capture, curvature fit, preconditioning, scoring):
 
-* ``dattri_llm KFAC/EKFAC full`` -- ``attribute(..., gradient_cache_residency="memory")``
-  with factorized capture and covariances recorded at capture (no fit pass);
-* ``dattri_llm KFAC/EKFAC k=64`` -- the same with capture-time ``"logra"`` projection
-  to ``proj_dim=64`` per factor;
-* ``kronfluence KFAC/EKFAC full`` -- ``fit_all_factors`` + ``compute_pairwise_scores``
-  (empirical Fisher, CPU), run in ``--peer-python`` (default ``/work/bench-venv``) when
-  kronfluence imports there; the row is omitted otherwise.
+* ``dattri_llm`` — ``KFACAttributor`` / ``EKFACAttributor``, ``attribute(train, test)``
+  (live: a fit pass over the training set with covariances recorded at capture, then the
+  scoring pass), damping ``1e-3`` relative to the mean eigenvalue; ``full`` and ``logra``
+  (capture-time Kronecker projection ``k_a = k_g = 64``, the library's default projector);
+* ``kronfluence`` — ``FactorArguments(strategy="kfac" | "ekfac", use_empirical_fisher=True)``,
+  ``fit_all_factors`` + ``compute_pairwise_scores`` with its default damping, run under
+  ``--peer-python``; it has no capture-time projection, so only ``full`` rows.
 
-Reported: median wall time over ``--repeats`` runs and training sequences scored per
-second (``n_train / wall``; every query is scored each time). Numbers depend on the
-machine and its load (both written to the report).
+The two libraries damp differently, so their scores are not expected to agree; the sums of
+absolute scores are printed only to show each run scored the same shapes.
 
-Usage: ``python experiments/benchmark/throughput_kfac.py [--out PATH] [--n-train N]
-[--n-test M] [--seq T] [--repeats R] [--peer-python PATH]``; the peer half runs as
-``python throughput_kfac.py --peer kronfluence --method ekfac ...`` and prints seconds.
+Metrics, per configuration in a fresh process after a warm-up call on one batch:
+wall seconds of the call, training samples per second, and growth of peak RSS (VmHWM) over
+the RSS before the call (see ``throughput.measure``). Medians over interleaved rounds.
+
+Usage: ``python experiments/benchmark/throughput_kfac.py [--peer-python PATH] [--out PATH]
+[--repeats R]``. Child mode (internal): ``--worker LIB --method M --proj P --queries N``.
 """
 
 from __future__ import annotations
@@ -32,231 +32,230 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+from throughput import (
+    BATCH,
+    K_PROJ,
+    LINEAR,
+    N_TRAIN,
+    QUERY_COUNTS,
+    RESULTS,
+    SEQ,
+    VOCAB,
+    aggregate,
+    build_data,
+    build_model,
+    linear_names,
+    machine_line,
+    measure,
+    run_child,
+    sum_loss,
+)
 
-VOCAB, WIDTH, HIDDEN, BLOCKS = 512, 128, 512, 4
-TRACKED = [f"blocks.{i}.{j}" for i in range(BLOCKS) for j in ("up", "down")]
-
-
-class Block(nn.Module):
-    """Residual MLP block ``x + down(gelu(up(x)))``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(WIDTH, HIDDEN)
-        self.down = nn.Linear(HIDDEN, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
-
-
-class TokenMLP(nn.Module):
-    """Embedding, residual MLP blocks and a head: ``(B, T)`` ids -> ``(B, T, VOCAB)`` logits."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
+METHODS = ("kfac", "ekfac")
+DAMPING = 1e-3
+UNSUPPORTED = {("kronfluence", "logra"): "kronfluence has no capture-time gradient projection"}
 
 
-def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Sum over sequences of the mean next-token cross entropy (per-sample grad = ∇ℓ_i)."""
-    logits = model(ids)[:, :-1]
-    per_token = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-    return per_token.mean(dim=1).sum()
-
-
-def make_setup(n_train: int, n_test: int, seq: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """Seeded model and random token data (identical in both venvs)."""
-    torch.manual_seed(0)
-    model = TokenMLP()
-    gen = torch.Generator().manual_seed(1)
-    train = torch.randint(0, VOCAB, (n_train, seq), generator=gen)
-    test = torch.randint(0, VOCAB, (n_test, seq), generator=gen)
-    return model, train, test
-
-
-# --------------------------------------------------------------------------- dattri_llm
-
-
-def run_dattri(method: str, proj_dim: int | None, n_train: int, n_test: int, seq: int) -> float:
-    """Seconds for one dattri_llm attribution."""
+def run_dattri_llm(method: str, proj: str, n_queries: int, n_train: int) -> dict:
+    from dattri_llm import AttributionArguments, AttributionTask, HookManagerConfig
     from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
-    from dattri_llm.attribution.arguments import AttributionArguments
-    from dattri_llm.gradient.hooks.config import HookManagerConfig
-    from dattri_llm.task import AttributionTask
 
-    model, train, test = make_setup(n_train, n_test, seq)
+    model = build_model()
+    train, test = build_data(n_queries)
+    train = train[:n_train]
     projection = None
-    if proj_dim is not None:
-        projection = {
-            "__default__": {
-                "style": "logra",
-                "proj_dim": proj_dim,
-                "proj_max_batch_size": 8,
-                "proj_seed": 0,
-            }
-        }
-    config = HookManagerConfig(hook_types=dict.fromkeys(TRACKED, "linear_io"),
-                               projection_kwargs=projection)  # fmt: skip
+    if proj == "logra":
+        projection = {"__default__": {"style": "logra", "proj_dim": K_PROJ}}
+    config = HookManagerConfig(linear_io=[LINEAR], projection_kwargs=projection)
+    args = AttributionArguments(
+        output_dir=tempfile.mkdtemp(),
+        use_cpu=True,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH,
+    )
     cls = KFACAttributor if method == "kfac" else EKFACAttributor
-    with tempfile.TemporaryDirectory() as out:
-        args = AttributionArguments(
-            output_dir=out, use_cpu=True, per_device_train_batch_size=8,
-            per_device_eval_batch_size=8,
-        )  # fmt: skip
-        attributor = cls(args, task=AttributionTask(lambda m, b: lm_loss(m, b), model))
-        start = time.perf_counter()
-        attributor.attribute(
-            list(train), list(test), hook_config=config, gradient_cache_residency="memory",
-            damping=1e-3, relative_damping=True,
-        )  # fmt: skip
-        return time.perf_counter() - start
+    attributor = cls(args, task=AttributionTask(loss_func=sum_loss, model=model))
+
+    def attribute(train_set):
+        return attributor.attribute(
+            train_set, test, hook_config=config, damping=DAMPING, relative_damping=True
+        )
+
+    attribute(train[:BATCH])  # warm-up
+    result = {}
+    metrics = measure(lambda: result.setdefault("score", attribute(train)))
+    metrics["checksum"] = float(result["score"].scores.double().abs().sum())
+    metrics["version"] = f"dattri_llm {version('dattri-llm')}, torch {torch.__version__}"
+    return metrics
 
 
-# --------------------------------------------------------------------------- kronfluence
-
-
-def run_kronfluence(method: str, n_train: int, n_test: int, seq: int) -> float:
-    """Seconds for one kronfluence attribution (run inside the peer venv)."""
+def run_kronfluence(method: str, proj: str, n_queries: int, n_train: int) -> dict:
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments
     from kronfluence.task import Task
 
+    model = build_model()
+    train, test = build_data(n_queries)
+    train = train[:n_train]
+    names = linear_names(model)
+
     class LMTask(Task):
-        def compute_train_loss(self, batch, model, sample=False):  # noqa: D102, ANN001
-            return lm_loss(model, batch)
+        def compute_train_loss(self, batch, model, sample=False):
+            return sum_loss(model, batch)
 
-        def compute_measurement(self, batch, model):  # noqa: D102, ANN001
-            return lm_loss(model, batch)
+        def compute_measurement(self, batch, model):
+            return sum_loss(model, batch)
 
-        def get_influence_tracked_modules(self):  # noqa: D102
-            return TRACKED
+        def get_influence_tracked_modules(self):
+            return names
 
-    model, train, test = make_setup(n_train, n_test, seq)
     task = LMTask()
     model = prepare_model(model, task)
-    factor_args = FactorArguments(strategy=method, use_empirical_fisher=True)
-    with tempfile.TemporaryDirectory() as out:
-        analyzer = Analyzer(
-            analysis_name="bench", model=model, task=task, cpu=True, output_dir=out,
-            disable_tqdm=True,
-        )  # fmt: skip
-        start = time.perf_counter()
-        analyzer.fit_all_factors(
-            factors_name="f", dataset=list(train), per_device_batch_size=8,
-            factor_args=factor_args, overwrite_output_dir=True,
-        )  # fmt: skip
-        analyzer.compute_pairwise_scores(
-            scores_name="s", factors_name="f", query_dataset=list(test),
-            train_dataset=list(train), per_device_query_batch_size=8,
-            per_device_train_batch_size=8, overwrite_output_dir=True,
-        )  # fmt: skip
-        return time.perf_counter() - start
-
-
-def peer_seconds(python: str, method: str, options: argparse.Namespace) -> float | None:
-    """Run the kronfluence half in ``python``; ``None`` when it is unavailable or fails."""
-    if not Path(python).exists():
-        return None
-    command = [
-        python, __file__, "--peer", "kronfluence", "--method", method,
-        "--n-train", str(options.n_train), "--n-test", str(options.n_test),
-        "--seq", str(options.seq),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        print(f"kronfluence {method} failed:\n{result.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return float(json.loads(result.stdout.strip().splitlines()[-1])["seconds"])
-
-
-# --------------------------------------------------------------------------- report
-
-
-def machine() -> str:
-    """CPU model, cores, torch threads, torch version and load average."""
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with "
-        f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}"
+    analyzer = Analyzer(
+        "kfac", model, task, cpu=True, disable_tqdm=True, output_dir=tempfile.mkdtemp()
     )
+    factor_args = FactorArguments(strategy=method, use_empirical_fisher=True)
+
+    def attribute(tag, train_set):
+        analyzer.fit_all_factors(
+            tag,
+            train_set,
+            per_device_batch_size=BATCH,
+            factor_args=factor_args,
+            overwrite_output_dir=True,
+        )
+        analyzer.compute_pairwise_scores(
+            tag,
+            tag,
+            test,
+            train_set,
+            per_device_query_batch_size=BATCH,
+            per_device_train_batch_size=BATCH,
+            overwrite_output_dir=True,
+        )
+
+    attribute("warmup", train[:BATCH])
+    metrics = measure(lambda: attribute("run", train))
+    scores = analyzer.load_pairwise_scores("run")["all_modules"]
+    metrics["checksum"] = float(scores.double().abs().sum())
+    metrics["version"] = f"kronfluence {version('kronfluence')}, torch {torch.__version__}"
+    return metrics
+
+
+WORKERS = {"dattri_llm": run_dattri_llm, "kronfluence": run_kronfluence}
+
+
+def render(rows: list[dict], peer_python: str, total_seconds: float, n_train: int) -> str:
+    lines = [
+        "# K-FAC / EK-FAC throughput on the Grad-Dot GPT-NeoX workload (CPU)",
+        "",
+        f"Date: {datetime.date.today().isoformat()}. Machine: {machine_line()}.",
+        f"Peers ran under `{peer_python}`. Produced by "
+        f"`experiments/benchmark/throughput_kfac.py` in {total_seconds / 60:.1f} min.",
+        "",
+        f"Workload (as `throughput.md`): GPT-NeoX from config (4 layers, hidden 256, 4 heads, "
+        f"MLP 1024, vocab {VOCAB}), {n_train} training sequences x {SEQ} tokens, fp32, batch "
+        f"{BATCH}, 16 hooked linear layers, empirical Fisher. `logra` = capture-time Kronecker "
+        f"projection k_a = k_g = {K_PROJ} (library default projector).",
+        "dattri_llm: live `attribute` (fit pass with covariances recorded at capture, then the "
+        f"scoring pass), damping {DAMPING:g} relative to the mean eigenvalue. kronfluence: "
+        "`fit_all_factors` + `compute_pairwise_scores`, default damping, factors written to a "
+        "temporary directory. The damping differs, so the score sums are not a cross-check.",
+        "Throughput = training samples per second of one attribution call after a warm-up "
+        "call; peak memory = growth of peak RSS (VmHWM) over the RSS before the call. Medians "
+        "over interleaved rounds, each configuration in a fresh process.",
+        "",
+        "| library | method | projection | queries | rounds | seconds (median) | samples/s "
+        "| peak RSS growth (MiB) | speed vs dattri_llm full | sum of abs scores |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ours = {
+        (r["method"], r["queries"]): r
+        for r in rows
+        if r["library"] == "dattri_llm" and r["proj"] == "full" and "seconds" in r
+    }
+    notes = []
+    for r in rows:
+        if "skipped" in r:
+            notes.append(
+                f"* {r['library']} / {r['method']} / {r['proj']} / {r['queries']} queries: "
+                f"{r['skipped']}"
+            )
+            continue
+        base = ours.get((r["method"], r["queries"]))
+        ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base else "-"
+        lines.append(
+            f"| {r['library']} | {r['method'].upper()} | {r['proj']} | {r['queries']} "
+            f"| {r['rounds']} | {r['seconds']:.2f} | {n_train / r['seconds']:.1f} "
+            f"| {r['peak_mib']:.0f} | {ratio} | {r['checksum']:.6g} |"
+        )
+    versions = sorted({r["version"] for r in rows if "version" in r})
+    if n_train != N_TRAIN:
+        lines += [
+            "",
+            f"Training set cut from {N_TRAIN} to the first {n_train} sequences so that the whole "
+            "benchmark fits in about 8 minutes on this shared 2-core machine; everything else "
+            "is the Grad-Dot workload.",
+        ]
+    lines += [
+        "",
+        "Versions: " + "; ".join(versions) + ".",
+        "LogIX is not compared: `logix-ai` has releases only for Python < 3.11 (this machine "
+        "has 3.11).",
+    ]
+    if notes:
+        lines += ["", "Not run:", *notes]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    """Time every row and write the Markdown report."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results/throughput_kfac.md"))
-    parser.add_argument("--n-train", type=int, default=64)
-    parser.add_argument("--n-test", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--peer-python", default="/work/bench-venv/bin/python")
-    parser.add_argument("--peer", choices=["kronfluence"], help=argparse.SUPPRESS)
-    parser.add_argument("--method", choices=["kfac", "ekfac"], help=argparse.SUPPRESS)
-    options = parser.parse_args()
-    if options.peer:
-        seconds = run_kronfluence(options.method, options.n_train, options.n_test, options.seq)
-        print(json.dumps({"seconds": seconds}))
-        return
+    import time
 
-    rows = []
-    for method in ("kfac", "ekfac"):
-        for proj_dim in (None, 64):
-            times = [
-                run_dattri(method, proj_dim, options.n_train, options.n_test, options.seq)
-                for _ in range(options.repeats)
-            ]
-            label = "full" if proj_dim is None else f"k={proj_dim}"
-            rows.append((f"dattri_llm {method.upper()} {label}", statistics.median(times)))
-        peer = [peer_seconds(options.peer_python, method, options) for _ in range(options.repeats)]
-        if all(t is not None for t in peer):
-            rows.append((f"kronfluence {method.upper()} full", statistics.median(peer)))
-    lines = [
-        "# K-FAC / EK-FAC attribution throughput",
-        "",
-        f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}  ",
-        f"Machine: {machine()}  ",
-        f"Setup: TokenMLP ({BLOCKS} blocks, width {WIDTH}, hidden {HIDDEN}, vocabulary "
-        f"{VOCAB}), {len(TRACKED)} tracked nn.Linear layers, {options.n_train} train x "
-        f"{options.n_test} query sequences of {options.seq} tokens, float32 CPU; median of "
-        f"{options.repeats} runs (capture + fit + preconditioning + scoring).",
-        "kronfluence runs in its own venv with its default damping and writes its factors "
-        "to a temporary directory; dattri_llm uses relative damping 1e-3 and keeps everything "
-        "in memory. Scores of the two libraries are not cross-checked here.",
-        "",
-        "| method | wall (s) | train sequences / s |",
-        "|---|---:|---:|",
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=sorted(WORKERS))
+    parser.add_argument("--method", choices=METHODS, default="kfac")
+    parser.add_argument("--proj", choices=("full", "logra"), default="full")
+    parser.add_argument("--queries", type=int, default=1)
+    parser.add_argument("--peer-python", default="/work/bench-venv/bin/python")
+    parser.add_argument("--out", default=str(RESULTS / "throughput_kfac.md"))
+    parser.add_argument(
+        "--n-train", type=int, default=N_TRAIN, help="training sequences (first n of the set)"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="rounds; medians are reported")
+    opts = parser.parse_args()
+    if opts.worker:
+        result = WORKERS[opts.worker](opts.method, opts.proj, opts.queries, opts.n_train)
+        print(json.dumps(result), flush=True)
+        return
+    start = time.perf_counter()
+    runs: dict[tuple[str, str, str, int], list[dict]] = {}
+    for _ in range(opts.repeats):
+        for method in METHODS:
+            for n_queries in QUERY_COUNTS:
+                for proj in ("full", "logra"):
+                    for library in WORKERS:
+                        python = sys.executable if library == "dattri_llm" else opts.peer_python
+                        if (library, proj) in UNSUPPORTED:
+                            result = {"skipped": UNSUPPORTED[library, proj]}
+                        else:
+                            extra = ["--method", method, "--n-train", str(opts.n_train)]
+                            result = run_child(python, library, proj, n_queries, __file__, extra)
+                        runs.setdefault((library, method, proj, n_queries), []).append(result)
+                        print(library, method, proj, n_queries, result, flush=True)
+    rows = [
+        {**aggregate(library, proj, q, results), "method": method}
+        for (library, method, proj, q), results in runs.items()
     ]
-    lines += [f"| {name} | {t:.2f} | {options.n_train / t:.1f} |" for name, t in rows]
-    Path(options.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(options.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print("\n".join(lines))
+    Path(opts.out).write_text(
+        render(rows, opts.peer_python, time.perf_counter() - start, opts.n_train)
+    )
+    print(f"wrote {opts.out}")
 
 
 if __name__ == "__main__":

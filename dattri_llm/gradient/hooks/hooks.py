@@ -633,9 +633,9 @@ class ParamGradCapture:
 
     def _hook(self, layer: str, pname: str) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            g = grad.detach()
-            if self.offload_to_cpu:
-                g = g.to("cpu")
+            # A copy: autograd reuses this tensor as ``param.grad``, which later zeroing,
+            # clipping or DDP's in-place all-reduce would rewrite under the record.
+            g = grad.detach().to("cpu", copy=True) if self.offload_to_cpu else grad.detach().clone()
             if self.on_param_grad is not None:
                 self.on_param_grad(layer, pname, g)
             if not self.gate():

@@ -613,6 +613,20 @@ class HookManager:
             for callback in list(self.callbacks):
                 callback.on_step_end(record)
 
+    def _synchronized_param_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """A batch-level gradient as DDP applies it: averaged over ranks when DDP syncs.
+
+        Parameter tensor hooks see the local gradient before DDP's all-reduce; a
+        synchronizing DDP step (not inside ``no_sync()``) averages it over ranks, so
+        the record does too. Every rank completes the step, so the collective matches.
+        """
+        ddp = torch.nn.parallel.DistributedDataParallel
+        if not isinstance(self.model, ddp) or not self.model.require_backward_grad_sync:
+            return grad
+        from dattri_llm.utils.distributed import all_reduce_sum, dist_world_size
+
+        return all_reduce_sum(grad.clone()) / dist_world_size()
+
     def _assemble_record(self) -> GradientRecord:
         from dattri_llm.gradient.gradient import Gradient, GradientRecord
         from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
@@ -634,7 +648,7 @@ class HookManager:
                 if grad is not None:
                     key = f"{layer}.{pname}" if layer else pname
                     representation[key] = "materialized"
-                    data[key] = grad
+                    data[key] = self._synchronized_param_grad(grad)
                     layer_types[key] = PARAM_GRAD_TYPES
                     indexing[key] = "batch"
         if not data:

@@ -11,6 +11,7 @@ scheduling need it.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -90,13 +91,16 @@ def decay_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[s
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, args: AttributionArguments) -> torch.optim.Optimizer:
-    """The optimizer ``args`` describes over ``model``'s trainable parameters.
+def build_optimizer(
+    groups: list[dict[str, Any]], args: AttributionArguments
+) -> torch.optim.Optimizer:
+    """The optimizer ``args`` describes over the parameter ``groups``.
 
+    ``groups`` come from :func:`decay_parameter_groups`, taken before any FSDP
+    wrapping (which flattens parameters to 1-D shards).
     ``optim`` ``"adamw_torch"``/``"adamw"`` → ``AdamW(lr, betas, eps)``;
     ``"sgd"`` → ``SGD(lr)``; anything else → ``ValueError``.
     """
-    groups = decay_parameter_groups(model, args.weight_decay)
     if not groups:
         raise ValueError(
             "enable_update=True but the model has no trainable parameter "
@@ -127,6 +131,202 @@ def find_capture_callback(manager: HookManager) -> CaptureCallback | None:
     return None
 
 
+FSDP_CONFIG_KEYS = ("transformer_layer_cls_to_wrap", "min_num_params")
+
+
+def fsdp_sharding_strategy(tokens: list[str]) -> object:
+    """The ``ShardingStrategy`` named by ``args.fsdp`` tokens (default ``FULL_SHARD``).
+
+    ``full_shard`` → ``FULL_SHARD``, ``shard_grad_op`` → ``SHARD_GRAD_OP``;
+    both together → ``ValueError``.
+    """
+    from torch.distributed.fsdp import ShardingStrategy
+
+    if "full_shard" in tokens and "shard_grad_op" in tokens:
+        raise ValueError(
+            f"args.fsdp {tokens} names two sharding strategies; keep one of 'full_shard' and "
+            "'shard_grad_op'"
+        )
+    if "shard_grad_op" in tokens:
+        return ShardingStrategy.SHARD_GRAD_OP
+    return ShardingStrategy.FULL_SHARD
+
+
+def fsdp_config_options(fsdp_config: object) -> dict[str, Any]:
+    """``args.fsdp_config`` as a dict of the keys the streamer uses.
+
+    Hugging Face style ``fsdp_``-prefixed keys are accepted; other keys are
+    ignored with a ``UserWarning``; a non-dict config → ``TypeError``.
+    """
+    if fsdp_config is None:
+        return {}
+    if not isinstance(fsdp_config, dict):
+        raise TypeError(
+            f"args.fsdp_config must be a dict, a JSON string or a path to a JSON file, got "
+            f"{fsdp_config!r}"
+        )
+    options = {key.removeprefix("fsdp_"): value for key, value in fsdp_config.items()}
+    ignored = sorted(key for key in options if key not in FSDP_CONFIG_KEYS)
+    if ignored:
+        warnings.warn(
+            f"GradientStreamer ignores fsdp_config keys {ignored}; it reads only "
+            f"{list(FSDP_CONFIG_KEYS)}",
+            UserWarning,
+            stacklevel=4,
+        )
+    return {key: options[key] for key in FSDP_CONFIG_KEYS if options.get(key) is not None}
+
+
+def resolve_module_classes(model: nn.Module, names: list[str]) -> set[type[nn.Module]]:
+    """The classes of ``model``'s modules named ``names`` (class ``__name__``).
+
+    A name no module of ``model`` has → ``ValueError`` listing the classes present.
+    """
+    present = {type(module).__name__: type(module) for module in model.modules()}
+    unknown = [name for name in names if name not in present]
+    if unknown:
+        raise ValueError(
+            f"fsdp_config transformer_layer_cls_to_wrap names {unknown}, which are not module "
+            f"classes of {type(model).__name__}; classes present: {sorted(present)}"
+        )
+    return {present[name] for name in names}
+
+
+def fsdp_auto_wrap_policy(
+    model: nn.Module, tokens: list[str], options: dict[str, Any]
+) -> Callable | None:
+    """The FSDP auto-wrap policy from ``fsdp_config`` options (``None``: wrap only the root).
+
+    ``transformer_layer_cls_to_wrap`` (class names, a list or one string) →
+    ``transformer_auto_wrap_policy``; ``min_num_params`` (positive int) →
+    ``size_based_auto_wrap_policy``; both → ``ValueError``. With neither key,
+    the ``auto_wrap`` token wraps the classes of the model's
+    ``_no_split_modules`` (Hugging Face models), as the ``Trainer`` does.
+    """
+    from functools import partial
+
+    from torch.distributed.fsdp.wrap import (
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+    )
+
+    if "min_num_params" in options and "transformer_layer_cls_to_wrap" in options:
+        raise ValueError(
+            "fsdp_config sets both transformer_layer_cls_to_wrap and min_num_params; they are "
+            "alternative auto-wrap policies, keep one"
+        )
+    if "min_num_params" in options:
+        threshold = options["min_num_params"]
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+            raise ValueError(
+                f"fsdp_config min_num_params must be a positive int, got {threshold!r}"
+            )
+        return partial(size_based_auto_wrap_policy, min_num_params=threshold)
+    names = options.get("transformer_layer_cls_to_wrap")
+    if names is None and "auto_wrap" in tokens:
+        names = no_split_module_names(model)
+    if names is None:
+        return None
+    names = [names] if isinstance(names, str) else list(names)
+    classes = resolve_module_classes(model, names)
+    return partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+
+
+def no_split_module_names(model: nn.Module) -> list[str]:
+    """The ``_no_split_modules`` classes ``model`` contains, for the ``auto_wrap`` token.
+
+    ``ValueError`` when the model declares none of them.
+    """
+    declared = getattr(model, "_no_split_modules", None) or []
+    present = {type(module).__name__ for module in model.modules()}
+    names = [name for name in declared if name in present]
+    if not names:
+        raise ValueError(
+            f"args.fsdp has 'auto_wrap' but {type(model).__name__} declares no "
+            "_no_split_modules it contains; set fsdp_config transformer_layer_cls_to_wrap "
+            "(class names) or min_num_params"
+        )
+    return names
+
+
+def fsdp_wrap_kwargs(model: nn.Module, args: AttributionArguments) -> dict[str, Any]:
+    """Keyword arguments of ``FullyShardedDataParallel`` for ``model`` under ``args``.
+
+    ``use_orig_params=True`` (the hooks and the optimizer see the original
+    parameters), ``sharding_strategy`` from the tokens, ``cpu_offload`` for
+    ``offload`` (ignored with a ``UserWarning`` on a CPU device, where FSDP
+    cannot offload), ``auto_wrap_policy`` from ``fsdp_config``.
+    """
+    from torch.distributed.fsdp import CPUOffload
+
+    options = fsdp_config_options(args.fsdp_config)
+    kwargs: dict[str, Any] = {
+        "use_orig_params": True,
+        "sharding_strategy": fsdp_sharding_strategy(args.fsdp),
+        "auto_wrap_policy": fsdp_auto_wrap_policy(model, args.fsdp, options),
+    }
+    if "offload" in args.fsdp:
+        if torch.device(args.device).type == "cpu":
+            warnings.warn(
+                "args.fsdp 'offload' has no effect on a CPU device (the parameters already live "
+                "in CPU memory); ignoring it",
+                UserWarning,
+                stacklevel=4,
+            )
+        else:
+            kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+    return kwargs
+
+
+def compute_device(args: AttributionArguments) -> torch.device:
+    """``args.device``, with the current CUDA device index filled in when it has none."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def distributed_ready() -> bool:
+    """Whether a default ``torch.distributed`` process group is initialised."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def require_process_group(args: AttributionArguments) -> None:
+    """``RuntimeError`` unless a process group is initialised (wrapping needs one)."""
+    if not distributed_ready():
+        raise RuntimeError(
+            f"args.world_size is {args.world_size} but torch.distributed is not initialised; "
+            "call torch.distributed.init_process_group() first (e.g. launch with torchrun)"
+        )
+
+
+def wrap_fsdp(model: nn.Module, args: AttributionArguments) -> nn.Module:
+    """``FullyShardedDataParallel(model, use_orig_params=True, ...)`` per ``args.fsdp``.
+
+    The options are checked first; a single process without a process group
+    has nothing to shard: the model is returned unwrapped with a ``UserWarning``.
+    """
+    kwargs = fsdp_wrap_kwargs(model, args)
+    if args.world_size <= 1 and not distributed_ready():
+        warnings.warn(
+            f"args.fsdp is {args.fsdp} but this is a single process without a torch.distributed "
+            "process group; running the model unwrapped (launch with torchrun to shard it)",
+            UserWarning,
+            stacklevel=4,
+        )
+        return model
+    require_process_group(args)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model, device_id=compute_device(args), **kwargs)
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``FullyShardedDataParallel`` wrapper (never imports FSDP)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel)
+
+
 class GradientStreamer:
     """Live gradient source: one ``(step, Gradient, identifiers)`` block per batch.
 
@@ -146,9 +346,19 @@ class GradientStreamer:
     captured device and dtype. Under fp16 with a ``GradScaler`` the captured
     gradients are divided by the scale before they are yielded.
 
-    Not implemented in this version: ``precondition=True`` and ``snapshots=``
-    (``NotImplementedError``), FSDP wrapping from ``args.fsdp`` (wrap the model
-    yourself and pass ``forward_model=``) and DeepSpeed.
+    ``model`` must be unwrapped: hooks go on it first, then it is moved to
+    ``args.device`` and wrapped, unless ``forward_model=`` is given. With
+    ``args.fsdp`` set it is wrapped in ``FullyShardedDataParallel(model,
+    use_orig_params=True)`` (``full_shard``/``shard_grad_op`` → sharding
+    strategy, ``offload`` → parameter CPU offload (GPU only), ``fsdp_config``
+    ``transformer_layer_cls_to_wrap`` / ``min_num_params`` → auto-wrap policy,
+    ``auto_wrap`` alone → the model's ``_no_split_modules``); in a single
+    process without a process group it stays unwrapped (``UserWarning``).
+    Otherwise it is wrapped in ``DistributedDataParallel`` when
+    ``args.world_size > 1``. Under FSDP, clipping uses the wrapper's global norm.
+
+    Not implemented in this version: ``precondition=True``, ``snapshots=`` and
+    DeepSpeed (``NotImplementedError``).
     """
 
     def __init__(
@@ -181,6 +391,7 @@ class GradientStreamer:
             from dattri_llm.task import default_loss_func as loss_fn
         self._loss_fn = loss_fn
         self._optimizer = optimizer
+        self._param_groups = decay_parameter_groups(model, args.weight_decay)
         self._scheduler = scheduler
         self._checkpoint_step = checkpoint_step
         self._manager, self._owns_manager = self._resolve_manager(
@@ -281,21 +492,13 @@ class GradientStreamer:
 
     @staticmethod
     def _place_model(model: nn.Module, args: AttributionArguments) -> nn.Module:
-        """Move the hooked model to ``args.device`` and wrap it per ``args`` ``(DDP)``."""
+        """Move the hooked model to ``args.device`` and wrap it per ``args`` ``(FSDP or DDP)``."""
         model.to(args.device)
         if args.fsdp:
-            raise NotImplementedError(
-                "GradientStreamer does not build FSDP wrappers in this version; wrap the model "
-                "with FullyShardedDataParallel(model, use_orig_params=True) yourself (after "
-                "building the streamer's hooks) and pass it as forward_model="
-            )
+            return wrap_fsdp(model, args)
         if args.world_size <= 1:
             return model
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            raise RuntimeError(
-                f"args.world_size is {args.world_size} but torch.distributed is not initialised; "
-                "call torch.distributed.init_process_group() first (e.g. launch with torchrun)"
-            )
+        require_process_group(args)
         device = torch.device(args.device)
         return nn.parallel.DistributedDataParallel(
             model,
@@ -388,7 +591,7 @@ class GradientStreamer:
         Raises ``RuntimeError`` for a probe built without one.
         """
         if self._optimizer is None and self.enable_update:
-            self._optimizer = build_optimizer(self._model, self._args)
+            self._optimizer = build_optimizer(self._param_groups, self._args)
         if self._optimizer is None:
             raise RuntimeError(
                 "this GradientStreamer has no optimizer (a frozen probe built without "
@@ -492,7 +695,7 @@ class GradientStreamer:
             self._scheduler = self._build_scheduler(optimizer)
         device = torch.device(self._args.device)
         if self._args.fp16 and device.type == "cuda":
-            self._scaler = torch.amp.GradScaler("cuda")
+            self._scaler = self._make_grad_scaler()
         self._learning_rates = {}
         window = self._args.gradient_accumulation_steps
         loader = self._make_loader(shuffle=True)
@@ -505,6 +708,14 @@ class GradientStreamer:
             self._learning_rates[index] = float(optimizer.param_groups[0]["lr"])
             yield self._trajectory_batch(index, batch, window, last)
         self._apply_pending_update()
+
+    def _make_grad_scaler(self) -> torch.amp.GradScaler:
+        """A CUDA ``GradScaler``; the sharded one under FSDP (inf checks agree across ranks)."""
+        if is_fsdp(self._forward_model):
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler("cuda")
+        return torch.amp.GradScaler("cuda")
 
     def _trajectory_batch(self, index: int, batch: object, window: int, last: int) -> StreamBatch:
         """Run one training batch; step (or defer) the update at a window end."""
@@ -561,8 +772,7 @@ class GradientStreamer:
             self._scaler.unscale_(optimizer)
         max_norm = self._args.max_grad_norm
         if max_norm is not None and max_norm > 0:
-            trainable = [p for p in self._model.parameters() if p.requires_grad]
-            nn.utils.clip_grad_norm_(trainable, max_norm)
+            self._clip_gradients(max_norm)
         if self._scaler is not None:
             self._scaler.step(optimizer)
             self._scaler.update()
@@ -570,6 +780,14 @@ class GradientStreamer:
             optimizer.step()
         if self._scheduler is not None:
             self._scheduler.step()
+
+    def _clip_gradients(self, max_norm: float) -> None:
+        """Clip to total norm ``max_norm``; under FSDP the norm spans every rank's shard."""
+        if is_fsdp(self._forward_model):
+            self._forward_model.clip_grad_norm_(max_norm)
+            return
+        trainable = [p for p in self._model.parameters() if p.requires_grad]
+        nn.utils.clip_grad_norm_(trainable, max_norm)
 
 
 def _rng_state() -> dict[str, object]:

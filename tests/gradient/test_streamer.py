@@ -10,7 +10,7 @@ from reference import call, per_sample_param_grads
 from torch import nn
 
 from dattri_llm.attribution.arguments import AttributionArguments
-from dattri_llm.gradient._live import GradientStreamer, unscale_gradient
+from dattri_llm.gradient._live import GradientStreamer, fsdp_wrap_kwargs, unscale_gradient
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.hooks.manager import HookManager
@@ -434,15 +434,7 @@ def test_unknown_optim_raises(tmp_path):
         _ = streamer.optimizer
 
 
-def test_fsdp_and_deepspeed_are_not_implemented(tmp_path):
-    with pytest.raises(NotImplementedError, match="forward_model"):
-        GradientStreamer(
-            make_net(),
-            make_data(),
-            make_args(tmp_path, fsdp="full_shard"),
-            batch_size=2,
-            loss_fn=sum_loss,
-        )
+def test_deepspeed_is_not_implemented(tmp_path):
     with pytest.raises(NotImplementedError, match="DeepSpeed"):
         GradientStreamer(
             make_net(),
@@ -575,3 +567,241 @@ def test_ddp_probe_shards_the_dataset_and_matches_the_reference(tmp_path):
             for name in LAYERS:
                 torch.testing.assert_close(block[name], expected[name][order])
     assert sorted(seen) == list(range(N_SAMPLES))  # each sample on exactly one rank
+
+
+# ------------------------------------------------------------------------------ FSDP
+
+
+def fsdp_kwargs(tmp_path, net=None, **arg_kwargs):
+    return fsdp_wrap_kwargs(net or make_net(), make_args(tmp_path, **arg_kwargs))
+
+
+@pytest.mark.parametrize(
+    ("fsdp", "strategy", "offload"),
+    [
+        ("full_shard", "FULL_SHARD", False),
+        ("shard_grad_op", "SHARD_GRAD_OP", False),
+        ("shard_grad_op offload", "SHARD_GRAD_OP", True),
+        ("offload", "FULL_SHARD", True),
+    ],
+)
+def test_fsdp_tokens_become_wrapper_arguments(tmp_path, monkeypatch, fsdp, strategy, offload):
+    monkeypatch.setattr(AttributionArguments, "device", property(lambda self: torch.device("cuda")))
+    kwargs = fsdp_kwargs(tmp_path, fsdp=fsdp)
+    assert kwargs["use_orig_params"] is True
+    assert kwargs["sharding_strategy"].name == strategy
+    assert kwargs["auto_wrap_policy"] is None  # no fsdp_config: only the root is wrapped
+    assert ("cpu_offload" in kwargs) == offload
+    if offload:
+        assert kwargs["cpu_offload"].offload_params is True
+
+
+def test_fsdp_offload_is_ignored_on_cpu(tmp_path):
+    with pytest.warns(UserWarning, match="'offload' has no effect on a CPU device"):
+        kwargs = fsdp_kwargs(tmp_path, fsdp="full_shard offload")
+    assert "cpu_offload" not in kwargs
+
+
+def wraps(policy, module: nn.Module, unwrapped_numel: int = 0) -> bool:
+    return policy(module=module, recurse=False, nonwrapped_numel=unwrapped_numel)
+
+
+def test_fsdp_layer_class_policy_wraps_exactly_those_classes(tmp_path):
+    net = make_net()
+    for names in (["Linear"], "Linear"):
+        config = {"transformer_layer_cls_to_wrap": names}
+        policy = fsdp_kwargs(tmp_path, net, fsdp="full_shard", fsdp_config=config)[
+            "auto_wrap_policy"
+        ]
+        assert wraps(policy, net[0]) and wraps(policy, net[2])
+        assert not wraps(policy, net[1]) and not wraps(policy, net)
+
+
+def test_fsdp_size_policy_wraps_modules_over_the_threshold(tmp_path):
+    # HF-style ``fsdp_`` prefixed key; Linear(3, 4) holds 16 parameters, Linear(4, 2) 10.
+    config = {"fsdp_min_num_params": 12}
+    policy = fsdp_kwargs(tmp_path, fsdp="full_shard", fsdp_config=config)["auto_wrap_policy"]
+    net = make_net()
+    assert wraps(policy, net[0], unwrapped_numel=16)
+    assert not wraps(policy, net[2], unwrapped_numel=10)
+
+
+class NoSplit(nn.Sequential):
+    """A model declaring Hugging Face style ``_no_split_modules``."""
+
+    _no_split_modules = ["Linear", "NotInThisModel"]
+
+
+def test_fsdp_auto_wrap_token_wraps_no_split_modules(tmp_path):
+    net = NoSplit(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    policy = fsdp_kwargs(tmp_path, net, fsdp="full_shard auto_wrap")["auto_wrap_policy"]
+    assert wraps(policy, net[0]) and not wraps(policy, net[1])
+    with pytest.raises(ValueError, match="_no_split_modules.*transformer_layer_cls_to_wrap"):
+        fsdp_kwargs(tmp_path, make_net(), fsdp="auto_wrap")
+
+
+@pytest.mark.parametrize(
+    ("arg_kwargs", "error", "match"),
+    [
+        (
+            {"fsdp_config": {"transformer_layer_cls_to_wrap": ["Linear"], "min_num_params": 5}},
+            ValueError,
+            "both transformer_layer_cls_to_wrap and min_num_params",
+        ),
+        (
+            {"fsdp_config": {"transformer_layer_cls_to_wrap": ["Linear", "GPT2Block"]}},
+            ValueError,
+            r"\['GPT2Block'\].*classes present: \['Linear', 'Sequential', 'Tanh'\]",
+        ),
+        ({"fsdp_config": {"min_num_params": 0}}, ValueError, "min_num_params must be a positive"),
+        ({"fsdp_config": {"min_num_params": "9"}}, ValueError, "min_num_params must be a positive"),
+        ({"fsdp_config": "not-a-file"}, TypeError, "fsdp_config must be a dict"),
+        ({"fsdp": "full_shard shard_grad_op"}, ValueError, "two sharding strategies"),
+    ],
+)
+def test_bad_fsdp_options_raise_before_wrapping(tmp_path, arg_kwargs, error, match):
+    arg_kwargs = {"fsdp": "full_shard", **arg_kwargs}
+    net = make_net()
+    with pytest.raises(error, match=match):
+        GradientStreamer(net, make_data(), make_args(tmp_path, **arg_kwargs), batch_size=2)
+    assert all(not m._forward_hooks for m in net.modules())  # the failed build left no hooks
+
+
+def test_fsdp_config_ignored_keys_warn(tmp_path):
+    config = {"min_num_params": 12, "backward_prefetch": "backward_pre"}
+    with pytest.warns(UserWarning, match=r"ignores fsdp_config keys \['backward_prefetch'\]"):
+        fsdp_kwargs(tmp_path, fsdp="full_shard", fsdp_config=config)
+
+
+def test_fsdp_in_a_single_process_runs_unwrapped_with_a_warning(tmp_path):
+    net = make_net()
+    with pytest.warns(UserWarning, match="single process.*unwrapped"):
+        streamer = GradientStreamer(
+            net, make_data(), make_args(tmp_path, fsdp="full_shard"), batch_size=4, loss_fn=sum_loss
+        )
+    assert streamer.forward_model is net
+    with streamer:
+        assert len(list(streamer)) == 3
+
+
+def test_fsdp_with_world_size_but_no_process_group_raises(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    net = make_net()
+    with pytest.raises(RuntimeError, match="world_size is 2.*init_process_group"):
+        GradientStreamer(net, make_data(), make_args(tmp_path, fsdp="full_shard"), batch_size=2)
+    assert all(not m._forward_hooks for m in net.modules())
+
+
+FSDP_LR, FSDP_MAX_NORM = 0.1, 0.5
+FSDP_RUNS = [
+    ("root", {"fsdp": "full_shard"}, {}),
+    (
+        "classes",
+        {"fsdp": "shard_grad_op", "fsdp_config": {"transformer_layer_cls_to_wrap": ["Linear"]}},
+        {},
+    ),
+    ("size", {"fsdp": "full_shard", "fsdp_config": {"min_num_params": 12}}, {}),
+    (
+        "train",
+        {
+            "fsdp": "full_shard",
+            "optim": "sgd",
+            "learning_rate": FSDP_LR,
+            "max_grad_norm": FSDP_MAX_NORM,
+            "lr_scheduler_type": "constant",
+            "weight_decay": 0.0,
+        },
+        {"enable_update": True},
+    ),
+]
+FSDP_UNITS = {"root": [""], "classes": ["", "0", "2"], "size": ["", "0"], "train": [""]}
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """Run every ``FSDP_RUNS`` entry on 2 forked gloo ranks; ``label -> [rank 0, rank 1]``."""
+    import socket
+
+    import torch.distributed.fsdp  # noqa: F401  (imported before the fork, not in each rank)
+    import torch.multiprocessing as mp
+    import transformers  # noqa: F401
+    from fsdp_helpers import WORLD, fsdp_stream_worker
+
+    out = tmp_path_factory.mktemp("fsdp")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(
+        fsdp_stream_worker,
+        args=(f"tcp://127.0.0.1:{port}", str(out), FSDP_RUNS, make_net, make_data(), sum_loss),
+        nprocs=WORLD,
+        join=True,
+        start_method="fork",
+    )
+    return {
+        label: [torch.load(out / f"{label}_rank{r}.pt") for r in range(WORLD)]
+        for label, _, _ in FSDP_RUNS
+    }
+
+
+@pytest.mark.parametrize("label", ["root", "classes", "size"])
+def test_fsdp_probe_shards_parameters_and_matches_the_reference(fsdp_runs, label):
+    ranks = fsdp_runs[label]
+    total = sum(p.numel() for p in make_net().parameters())
+    data = make_data()
+    rows, expected = index_of(data), flat_reference(make_net(), data)
+    seen = []
+    for saved in ranks:
+        assert saved["wrapper"] == "FullyShardedDataParallel"
+        assert saved["units"] == FSDP_UNITS[label]
+        assert saved["local_numel"] < total  # this rank holds a shard, not the model
+        for step, ids, block in saved["blocks"]:
+            assert step == 0
+            order = [rows[i] for i in ids]
+            seen += order
+            for name in LAYERS:
+                torch.testing.assert_close(block[name], expected[name][order], rtol=1e-5, atol=1e-6)
+    assert sum(saved["local_numel"] for saved in ranks) == total
+    assert sorted(seen) == list(range(N_SAMPLES))  # each sample on exactly one rank
+
+
+def clip_(grads: list[torch.Tensor], max_norm: float) -> float:
+    norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    for g in grads:
+        g.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
+
+
+def test_fsdp_trajectory_steps_on_the_rank_mean_with_global_clipping(fsdp_runs):
+    ranks = fsdp_runs["train"]
+    # Weights decay, biases do not: split by the shapes before FSDP flattened them.
+    assert all(saved["groups"] == [(0.0, 2), (0.0, 2)] for saved in ranks)
+    data = make_data()
+    rows = index_of(data)
+    net = make_net()
+    steps = len(ranks[0]["blocks"])
+    assert steps == 3 and all(len(saved["blocks"]) == steps for saved in ranks)
+    norms = []
+    for k in range(steps):
+        batches = []
+        for saved in ranks:
+            step, ids, block = saved["blocks"][k]
+            assert step == k
+            order = [rows[i] for i in ids]
+            batches.append(order)
+            expected = flat_reference(net, [data[i] for i in order])
+            for name in LAYERS:
+                torch.testing.assert_close(block[name], expected[name], rtol=1e-5, atol=1e-6)
+        # FSDP averages the ranks' gradients; the clip norm spans every shard.
+        net.zero_grad()
+        for order in batches:
+            loss = sum(sum_loss(net, data[i]) for i in order) / len(batches)
+            loss.backward()
+        norms.append(clip_([p.grad for p in net.parameters()], FSDP_MAX_NORM))
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= FSDP_LR * p.grad
+    assert max(norms) > FSDP_MAX_NORM  # clipping took effect, so the test checks it
+    for saved in ranks:
+        for name, param in net.named_parameters():
+            torch.testing.assert_close(saved["params"][name], param, rtol=1e-5, atol=1e-6)

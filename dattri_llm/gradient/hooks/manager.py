@@ -165,6 +165,7 @@ class HookManager:
         self._reverts: list = []
         self._captures: dict[str, LayerCapture] = {}
         self._invasive: set[str] = set()
+        self._invasive_params: dict[int, str] = {}
         self._params: ParamGradCapture | None = None
         self._decisions: dict[str, bool] = {}
         self._state = _StepState()
@@ -272,6 +273,13 @@ class HookManager:
             )
         self._captures = captures
         self._invasive = invasive & set(captures)
+        modules = dict(root.named_modules())
+        # Owners by parameter identity, taken now: a later FSDP auto-wrap renames modules.
+        self._invasive_params = {
+            id(param): name
+            for name in self._invasive
+            for param in modules[name].parameters(recurse=False)
+        }
         self._check_invasive_callbacks(self.callbacks)
         self._params = ParamGradCapture(
             None,
@@ -342,6 +350,7 @@ class HookManager:
             remove_hooks(self._handles)
             self._captures = {}
             self._invasive = set()
+            self._invasive_params = {}
             self._params = None
             self._reset_step()
             self._last_gradient = None
@@ -413,12 +422,7 @@ class HookManager:
         """
         if not self._invasive:
             return None
-        modules = dict(unwrap_model(self.model).named_modules())
-        owners = {
-            id(param): name
-            for name in self._invasive
-            for param in modules[name].parameters(recurse=False)
-        }
+        owners = self._invasive_params
 
         def refuse_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
             held = sorted(

@@ -374,8 +374,9 @@ class LayerCapture:
         from dattri_llm.gradient.gradient import Factorized
 
         a = entry.activation
-        if self.batch_first and a.ndim == 1 and _is_integer(a):
-            a, g = a.unsqueeze(0), g.unsqueeze(0)  # unbatched (positional) ids: batch of 1
+        if a.ndim == 1 and _is_integer(a):  # unbatched (positional) ids: batch of 1
+            batch_axis = 0 if self.batch_first else 1
+            a, g = a.unsqueeze(batch_axis), g.unsqueeze(batch_axis)
         if self.logra_at_forward:
             return self._final_factors(entry, Factorized(a, g, None, self.batch_first))
         raw = Factorized(a, g, self.module_kwargs, self.batch_first)

@@ -509,3 +509,40 @@ def test_low_level_param_hooks():
         warnings.simplefilter("error")
         loss_fn(model(x), y, "sum").backward()
     assert len(seen) == 4
+
+
+def test_sequence_first_unbatched_positional_ids_are_one_broadcast_row():
+    """A sequence-first layer called on unbatched ids ``(T,)`` (positional embedding).
+
+    Its output ``(T, E)`` is broadcast over the batch, so only the batch-summed gradient
+    exists: like the batch-first case it must become one broadcast row ``(T, 1)`` /
+    ``(T, 1, E)``, equal to the layer's ``.grad``, not factors that fail validation.
+    """
+
+    class SeqFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(9, 4), nn.Embedding(6, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids (T, B)
+            return self.tok(ids) + self.pos(torch.arange(ids.shape[0]))[:, None]
+
+    torch.manual_seed(0)
+    model = SeqFirst()
+    ids, r = torch.randint(0, 9, (5, 3)), torch.randn(5, 3, 4)
+    manager = HookManager(
+        model, HookManagerConfig(linear_io=["tok", "pos"]), non_batch_first_layers=["tok", "pos"]
+    )
+    try:
+        with pytest.warns(UserWarning, match="'pos' has batch size 1"), manager.collect():
+            (model(ids) * r).sum().backward()
+        gradient = manager.get_gradient()
+    finally:
+        manager.remove()
+    pos = gradient.data["pos"]
+    assert pos.batch_first is False and tuple(pos.activation.shape) == (5, 1)
+    torch.testing.assert_close(dense(gradient, "pos"), model.pos.weight.grad.reshape(1, -1))
+    ref = per_sample_param_grads(
+        model.tok, lambda m, p, s: (call(m, p, s[0]) * s[1]).sum(), (ids.T, r.transpose(0, 1))
+    )["weight"]
+    torch.testing.assert_close(dense(gradient, "tok"), ref.reshape(3, -1), rtol=1e-5, atol=1e-6)

@@ -131,9 +131,21 @@ class AsyncGradientWriter:
         """Return ``self``."""
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        """`close` on exit; an exception of the ``with`` body is never swallowed."""
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        """`close` on exit; an exception of the ``with`` body is never swallowed.
+
+        When the body raised, a write error found by `close` is attached to the
+        body's exception as a note instead of replacing it.
+        """
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except BaseException as write_error:
+            exc.add_note(
+                f"AsyncGradientWriter: a gradient group write also failed: {write_error!r}"
+            )
 
     def _raise_error(self) -> None:
         if self._error is not None:

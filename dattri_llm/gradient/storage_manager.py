@@ -815,7 +815,9 @@ class GradientStorageManager:
                     f"save_bulk: records[{position}] is a {type(record).__name__}, not a "
                     f"GradientRecord."
                 )
-            if not isinstance(record.input_hash, str):
+            if isinstance(record.input_hash, str):
+                self._check_single_sample(record, position)
+            else:
                 batch = record.gradient.batch_size
                 if len(record.input_hash) != batch:
                     raise ValueError(
@@ -835,6 +837,20 @@ class GradientStorageManager:
                 f"gradient store {self._save_dir} identifies samples by sample_id_key="
                 f"{self._sample_id_key!r} but the record has sample_id_key={key!r}; use one "
                 f"scheme per store (or another directory)."
+            )
+
+    @staticmethod
+    def _check_single_sample(record: GradientRecord, position: int) -> None:
+        """``ValueError`` unless a single-identifier record holds one sample (batch size 1)."""
+        try:
+            batch = record.gradient.batch_size
+        except ValueError:  # only batch-level param_grad layers: no sample axis to check
+            return
+        if batch != 1:
+            raise ValueError(
+                f"save_bulk: records[{position}] (step {record.step}) has the single identifier "
+                f"{record.input_hash!r} but its gradient has batch size {batch}; pass a list "
+                f"with one identifier per sample in batch order."
             )
 
     def _fix_id_scheme(self, key: str | int | None) -> None:

@@ -129,6 +129,24 @@ def test_fp64_tight(tmp_path):
         _check(score, _reference(model, train, test, method, 1e-3), train, test, 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_stores_loose(tmp_path, dtype):
+    """16-bit stores (accumulated in float32) stay within 5e-2 of the fp64 dense operator."""
+    torch.manual_seed(0)
+    model = MLP().to(dtype)
+    train, test = mlp_data(N_TRAIN, 1, dtype), mlp_data(N_TEST, 2, dtype)
+    tr = write_store(tmp_path / "tr", model, MLP_LAYERS, mlp_loss, train, batch_sizes=[4, 2])
+    te = write_store(tmp_path / "te", model, MLP_LAYERS, mlp_loss, test, batch_sizes=[3])
+    for cls, method in ((KFACAttributor, "kfac"), (EKFACAttributor, "ekfac")):
+        score = cls(_args(tmp_path / method)).attribute_from_cache(
+            tr.save_dir, te.save_dir, damping=DAMPING
+        )
+        assert score.scores.dtype == torch.float32
+        expected = _reference(model, train, test, method)
+        got = score.query(sample_ids(train[0]), sample_ids(test[0])).double()
+        assert ((got - expected).norm() / expected.norm()).item() < 5e-2, (cls, dtype)
+
+
 def test_relative_damping_and_ekfac_modes(stores, tmp_path):
     model, train, test, tr, te = stores
     score = KFACAttributor(_args(tmp_path / "k")).attribute_from_cache(
@@ -254,6 +272,9 @@ def test_option_and_curvature_errors(stores, tmp_path):
     ):
         with pytest.raises(ValueError):
             attributor.attribute_from_cache(tr, te, **bad)
+    for bad in (float("nan"), float("inf")):  # rejected up front, before any fit pass
+        with pytest.raises(ValueError, match=rf"damping must be a finite float >= 0, got {bad}"):
+            attributor.attribute_from_cache(tr, te, damping=bad)
     with pytest.raises(ValueError, match="mode"):
         EKFACAttributor(_args(tmp_path / "e"), mode="fast")
     one = write_store(

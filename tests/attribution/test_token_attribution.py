@@ -9,7 +9,17 @@ from types import ModuleType
 
 import pytest
 import torch
-from attribution_helpers import MLP, MLP_LAYERS, mlp_data, mlp_loss, write_store
+from attribution_helpers import (
+    MLP,
+    MLP_LAYERS,
+    capture_factors,
+    dense_reference,
+    mlp_data,
+    mlp_loss,
+    sample_ids,
+    write_store,
+)
+from kfac_helpers import covariances, ekfac_operator, kfac_operator, linear_rows
 
 from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
@@ -39,6 +49,78 @@ def test_token_contributions_sum_to_sequence_score(tmp_path, cls):
     positions, per_pos = token.token_scores(ids[0])
     assert positions == [0, 1, 2] and per_pos.shape == (3, 3)
     assert per_pos.abs().sum() > 0
+
+
+def per_token_reference(model: MLP, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{layer: (B, T, d)}`` per-token gradients by autograd, in ``[W | b]`` row-major layout.
+
+    Each token position uses its own copy of every weight, so the gradient of
+    copy ``t`` is exactly position ``t``'s contribution (no hooks, no factors).
+    """
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    num_tokens = x.shape[1]
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in MLP_LAYERS}
+    for i in range(x.shape[0]):
+        copies = {
+            n: p.unsqueeze(0).repeat(num_tokens, *([1] * p.dim())).requires_grad_(True)
+            for n, p in params.items()
+        }
+        h = torch.tanh(torch.einsum("tok,tk->to", copies["fc1.weight"], x[i]) + copies["fc1.bias"])
+        pred = torch.einsum("tok,tk->to", copies["fc2.weight"], h) + copies["fc2.bias"]
+        ((pred - y[i]) ** 2).sum().backward()
+        for name in MLP_LAYERS:
+            w, b = copies[f"{name}.weight"].grad, copies[f"{name}.bias"].grad
+            out[name].append(torch.cat([w, b.unsqueeze(-1)], dim=-1).flatten(1))
+    return {name: torch.stack(rows) for name, rows in out.items()}
+
+
+@pytest.mark.parametrize("method", ["tracin", "kfac", "ekfac"])
+def test_token_scores_match_per_position_autograd(tmp_path, method):
+    """Each (sample, position) row equals that position's own gradient scored by the method."""
+    damping = 0.05
+    torch.manual_seed(0)
+    model = MLP().double()
+    train, test = mlp_data(5, 1, torch.float64), mlp_data(3, 2, torch.float64)
+    tr = write_store(tmp_path / "tr", model, MLP_LAYERS, mlp_loss, train, batch_sizes=[3, 2])
+    te = write_store(tmp_path / "te", model, MLP_LAYERS, mlp_loss, test, batch_sizes=[1, 2])
+    args = AttributionArguments(output_dir=str(tmp_path / "o"), use_cpu=True)
+    tokens = per_token_reference(model, *train)
+    g_te = dense_reference(model, MLP_LAYERS, mlp_loss, test)
+    g_tr = dense_reference(model, MLP_LAYERS, mlp_loss, train)
+    torch.testing.assert_close(tokens["fc1"].sum(1), g_tr["fc1"], rtol=1e-10, atol=1e-12)
+    if method == "tracin":
+        score = TracInAttributor(args).attribute_from_cache(
+            tr.save_dir, te.save_dir, attribution_granularity="token"
+        )
+        ops = {name: None for name in MLP_LAYERS}
+    else:
+        cls = KFACAttributor if method == "kfac" else EKFACAttributor
+        score = cls(args).attribute_from_cache(
+            tr.save_dir, te.save_dir, attribution_granularity="token", damping=damping
+        )
+        factors = capture_factors(model, MLP_LAYERS, mlp_loss, train)
+        ops = {}
+        for name in MLP_LAYERS:
+            f = factors.data[name]
+            a_cov, g_cov = covariances(*linear_rows(f.activation, f.pre_activation_grad))
+            ops[name] = (
+                kfac_operator(a_cov, g_cov, damping)
+                if method == "kfac"
+                else ekfac_operator(a_cov, g_cov, g_tr[name], damping)
+            )
+    expected = sum(
+        tokens[name] @ (g_te[name].T if ops[name] is None else ops[name] @ g_te[name].T)
+        for name in MLP_LAYERS
+    )  # (N_train, T, N_test)
+    assert score.scores.dtype == torch.float32  # spec: scores are float32
+    columns = [score.test_index[h] for h in sample_ids(test[0])]
+    scale = expected.abs().max().item()
+    for i, train_hash in enumerate(sample_ids(train[0])):
+        positions, got = score.token_scores(train_hash)
+        assert positions == [0, 1, 2]
+        torch.testing.assert_close(
+            got[:, columns].double(), expected[i], rtol=1e-6, atol=1e-6 * scale
+        )
 
 
 def load_example() -> ModuleType:

@@ -101,6 +101,19 @@ def test_context_manager_does_not_swallow_body_exception():
     assert store.saved == [[0]]
 
 
+def test_body_exception_wins_over_a_write_error_at_exit():
+    """A write error found by ``close`` on exit must not replace the ``with`` body's error."""
+    store = GatedStore(fail_at=0)
+    store.gate.set()
+    with pytest.raises(KeyError, match="body") as caught:
+        with AsyncGradientWriter(store) as writer:
+            writer.submit([record(0)])
+            raise KeyError("body")
+    assert store.saved == [None]
+    assert any("disk full" in note for note in getattr(caught.value, "__notes__", []))
+    writer.close()  # the write error was reported with the body's exception and cleared
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_invalid_max_pending(bad):
     with pytest.raises(ValueError, match="max_pending"):

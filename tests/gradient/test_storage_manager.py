@@ -309,6 +309,18 @@ def test_list_hash_must_match_batch_size(tmp_path):
     assert store.index == {}
 
 
+@pytest.mark.parametrize("residency", ["disk", "memory"])
+def test_single_identifier_record_must_hold_one_sample(tmp_path, residency):
+    store = GradientStorageManager(tmp_path / "s", residency=residency)
+    record = GradientRecord(4, "a", make_gradient("dense", 0, 3))
+    with pytest.raises(ValueError, match=r"records\[0\] \(step 4\).*'a'.*batch size 3.*list"):
+        store.save(record)
+    with pytest.raises(ValueError, match="one identifier per sample"):
+        store.save_bulk([GradientRecord(4, "b", make_gradient("dense", 0, 1)), record])
+    assert store.index == {}
+    assert store.available_steps() == []
+
+
 def test_save_rejects_list_hash_and_empty_bulk(tmp_path):
     store = GradientStorageManager(tmp_path / "s")
     with pytest.raises(TypeError, match="save_bulk"):

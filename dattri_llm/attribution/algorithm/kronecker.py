@@ -27,6 +27,7 @@ term and the cross-site terms are dropped.
 
 from __future__ import annotations
 
+import math
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -116,8 +117,8 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         """Validate and set the options of the coming call (``ValueError`` on a bad value)."""
         from dattri_llm.utils.cache import CACHE_RESIDENCIES
 
-        if damping < 0:
-            raise ValueError(f"damping must be >= 0, got {damping}.")
+        if not math.isfinite(damping) or damping < 0:
+            raise ValueError(f"damping must be a finite float >= 0, got {damping}.")
         if non_kfac_strategy not in NON_KFAC_STRATEGIES:
             raise ValueError(
                 f"non_kfac_strategy must be one of {NON_KFAC_STRATEGIES}, got "

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -8,46 +7,7 @@ import torch
 
 from dattri_llm.attribution.arguments import AttributionArguments
 
-EXPECTED_FIELDS = [
-    ("output_dir", dataclasses.MISSING),
-    ("per_device_train_batch_size", 8),
-    ("per_device_eval_batch_size", 8),
-    ("learning_rate", 5e-5),
-    ("weight_decay", 0.0),
-    ("optim", "adamw_torch"),
-    ("adam_beta1", 0.9),
-    ("adam_beta2", 0.999),
-    ("adam_epsilon", 1e-8),
-    ("lr_scheduler_type", "linear"),
-    ("warmup_steps", 0),
-    ("gradient_accumulation_steps", 1),
-    ("max_grad_norm", 1.0),
-    ("gradient_checkpointing", False),
-    ("gradient_checkpointing_kwargs", None),
-    ("use_cpu", False),
-    ("bf16", False),
-    ("fp16", False),
-    ("tf32", None),
-    ("seed", 42),
-    ("data_seed", None),
-    ("full_determinism", False),
-    ("dataloader_num_workers", 0),
-    ("dataloader_pin_memory", True),
-    ("dataloader_persistent_workers", False),
-    ("dataloader_prefetch_factor", None),
-    ("async_disk_write", False),
-    ("recompute_gradients", False),
-    ("ddp_find_unused_parameters", None),
-    ("fsdp", ""),
-    ("fsdp_config", None),
-    ("deepspeed", None),
-]
-
-
-def test_field_order_defaults_and_help():
-    fields = dataclasses.fields(AttributionArguments)
-    assert [(f.name, f.default) for f in fields] == EXPECTED_FIELDS
-    assert all(f.metadata.get("help") for f in fields)
+# Field order, defaults and help texts: tests/test_spec_signatures_attribution.py.
 
 
 def test_post_init_normalisation(tmp_path, monkeypatch):

@@ -46,6 +46,7 @@ import torch
 
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
 from dattri_llm.options import CacheResidency, DiskFormat
+from dattri_llm.utils.atomic import atomic_write
 from dattri_llm.utils.cache import CACHE_RESIDENCIES, TensorCache, available_host_bytes
 
 __all__ = [
@@ -256,29 +257,6 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    """Run ``write(fh)`` on a temporary file beside ``path``, fsync it, rename it into place."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
 def _tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
     """Raw bytes of a CPU tensor as a ``uint8`` array (no copy when already contiguous)."""
     flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
@@ -317,10 +295,10 @@ def write_group_file(path: Path, records: Sequence[GradientRecord], disk_format:
     header, tensors, objects = _encode_group(records, disk_format)
     path = Path(path).with_suffix(_SUFFIX[header["format"]])
     if header["format"] == "memmap":
-        _atomic_write(path, lambda fh: _write_memmap(fh, header, tensors))
+        atomic_write(path, lambda fh: _write_memmap(fh, header, tensors))
     else:
         payload = {"header": header, "tensors": tensors, "objects": objects}
-        _atomic_write(path, lambda fh: torch.save(payload, fh))
+        atomic_write(path, lambda fh: torch.save(payload, fh))
     return path
 
 
@@ -941,7 +919,7 @@ class GradientStorageManager:
         if settings == self._written_settings:
             return
         data = json.dumps(settings, indent=1).encode("utf-8")
-        _atomic_write(self._write_dir / SIDECAR_FILE, lambda fh: fh.write(data))
+        atomic_write(self._write_dir / SIDECAR_FILE, lambda fh: fh.write(data))
         self._written_settings = settings
 
     def _add_group(self, location: str, records: Sequence[GradientRecord]) -> None:

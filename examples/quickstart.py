@@ -89,6 +89,8 @@ def train(model: torch.nn.Module, train_set: list[dict[str, torch.Tensor]], epoc
         total = 0.0
         for batch in loader:
             optimizer.zero_grad()
+            # The usual mean loss: captured gradients carry a 1/B factor, which
+            # Grad-Cos cancels (README, "Loss reduction").
             loss = loss_fn(model, batch) / len(batch["input_ids"])
             loss.backward()
             optimizer.step()
@@ -171,6 +173,11 @@ def main() -> None:
         score = TracInAttributor(args).attribute_from_cache(
             train_dir, test_dir, normalized_grad=True
         )
+    print(
+        f"\nGrad-Cos scores (TracInAttributor, normalized_grad=True, algorithm "
+        f"{score.algorithm!r}):\nthe cosine of each training sentence's gradient with the "
+        f"query's, summed over the {CAPTURED_EPOCHS} epochs it was captured in"
+    )
     hits = print_table(score, train_text, [hash_sample(q) for q in query_set])
     print(f"\ntop-1 proponent shares the query's topic for {hits}/{len(QUERIES)} queries")
 

@@ -40,7 +40,7 @@ def fsdp_stream_worker(
     import torch.distributed as dist
 
     from dattri_llm.attribution.arguments import AttributionArguments
-    from dattri_llm.gradient._live import GradientStreamer
+    from dattri_llm.gradient.streaming import GradientStreamer
 
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)})
     torch.set_num_threads(1)

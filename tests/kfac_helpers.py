@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from ops_helpers import expected_layout, reference_grads
+from reference import per_sample_loop_grads
 from torch import nn
 
 
@@ -58,6 +59,16 @@ def conv_rows(module: nn.Conv2d, x: torch.Tensor, r: torch.Tensor):
     return a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
 
 
+def dict_samples(data: tuple[torch.Tensor, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """``(x, y)`` tensors as a list of ``{"x", "y"}`` sample dicts (an attributor dataset)."""
+    return [{"x": x, "y": y} for x, y in zip(*data)]
+
+
+def dict_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum-reduced squared error of a ``{"x", "y"}`` batch (per-sample gradient = ∇ℓ_i)."""
+    return ((model(batch["x"]) - batch["y"]) ** 2).sum()
+
+
 def covariances(a_rows: torch.Tensor, g_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``A = Σ a aᵀ / N``, ``G = Σ g gᵀ / N``."""
     n = a_rows.shape[0]
@@ -83,3 +94,71 @@ def ekfac_operator(
     rot = torch.kron(u_g, u_a)
     lam = ((train_grads @ rot) ** 2).mean(dim=0)
     return rot @ torch.diag(1.0 / (lam + damping)) @ rot.T
+
+
+def linear_layer_io(
+    model: nn.Module, layers: tuple[str, ...], loss_fn, batch: tuple
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{layer: (input, output gradient)}`` of one backward of ``loss_fn(model, batch)``.
+
+    Plain forward hooks copy each layer's input and hook its output for the gradient.
+    """
+    modules = dict(model.named_modules())
+    io: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook(name: str):
+        def forward(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            x = args[0].detach().clone()
+            output.register_hook(lambda g: io.__setitem__(name, (x, g.detach().clone())))
+
+        return forward
+
+    handles = [modules[name].register_forward_hook(hook(name)) for name in layers]
+    try:
+        loss_fn(model, batch).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.zero_grad(set_to_none=True)
+    return io
+
+
+def linear_per_sample_grads(
+    model: nn.Module, layers: tuple[str, ...], loss_fn, batch: tuple
+) -> dict[str, torch.Tensor]:
+    """``{layer: (B, out·(in+1))}`` per-sample ``[W | b]`` of linear layers (loop of backwards)."""
+    grads = per_sample_loop_grads(model, loss_fn, batch)
+    return {
+        name: torch.cat([grads[f"{name}.weight"], grads[f"{name}.bias"][..., None]], dim=2).flatten(
+            1
+        )
+        for name in layers
+    }
+
+
+def linear_kronecker_scores(
+    model: nn.Module,
+    layers: tuple[str, ...],
+    loss_fn,
+    train: tuple,
+    test: tuple,
+    method: str,
+    damping: float,
+) -> torch.Tensor:
+    """Dense ``Σ_l g_tr F_l⁻¹ g_teᵀ`` ``(n_train, n_test)`` of linear layers, K-FAC or EK-FAC.
+
+    ``F_l`` is built explicitly from the token-row covariances of ``train``
+    (one backward over the whole set) with ``torch.kron``.
+    """
+    io = linear_layer_io(model, layers, loss_fn, train)
+    g_tr = linear_per_sample_grads(model, layers, loss_fn, train)
+    g_te = linear_per_sample_grads(model, layers, loss_fn, test)
+    total = torch.zeros(train[0].shape[0], test[0].shape[0], dtype=g_tr[layers[0]].dtype)
+    for name in layers:
+        a_cov, g_cov = covariances(*linear_rows(*io[name]))
+        if method == "kfac":
+            op = kfac_operator(a_cov, g_cov, damping)
+        else:
+            op = ekfac_operator(a_cov, g_cov, g_tr[name], damping)
+        total = total + g_tr[name] @ op @ g_te[name].T
+    return total

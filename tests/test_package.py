@@ -70,3 +70,22 @@ def test_options_resolve_with_get_type_hints():
 
     hints = typing.get_type_hints(f)
     assert typing.get_args(hints["x"]) == ("factorized", "materialized", "auto")
+
+
+def test_gradient_streamer_lives_in_streaming():
+    import importlib.util
+
+    from dattri_llm.gradient import streaming
+
+    assert streaming.GradientStreamer.__module__ == "dattri_llm.gradient.streaming"
+    assert dattri_llm.GradientStreamer is streaming.GradientStreamer
+    assert importlib.util.find_spec("dattri_llm.gradient._live") is None
+
+
+def test_streaming_import_is_light():
+    code = (
+        "import sys, dattri_llm.gradient.streaming, dattri_llm.attribution\n"
+        "heavy = [m for m in ('transformers', 'accelerate', 'dattri', 'trl') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -23,6 +23,7 @@ def test_quickstart_top_proponents_share_the_query_topic():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
+    assert "Grad-Cos scores (TracInAttributor" in out and "algorithm 'GradCos'" in out, out
     queries = re.findall(r"^query \[(\w+)\]", out, flags=re.M)
     top1 = re.findall(r"^  1\. \S+\s+\[(\w+)\s*\]", out, flags=re.M)
     assert len(queries) == len(top1) == 10, out

@@ -21,6 +21,8 @@ import torch
 
 from dattri_llm.attribution import utils as attribution_utils
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.gradient.datasets import check_dataset
+from dattri_llm.gradient.streaming import GradientStreamer
 from dattri_llm.task import AttributionTask, as_task
 
 if TYPE_CHECKING:
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.hooks.config import HookManagerConfig
     from dattri_llm.gradient.hooks.manager import HookManager
     from dattri_llm.gradient.storage_manager import GradientStorageManager
-    from dattri_llm.gradient.streaming import DiskGradientSource, GradientSource, GradientStreamer
+    from dattri_llm.gradient.streaming import DiskGradientSource, GradientSource
     from dattri_llm.utils.cache import TensorCache
 
 ATTRIBUTION_GRANULARITIES = ("instance", "token")
@@ -48,9 +50,14 @@ def check_granularity(attribution_granularity: str) -> None:
         )
 
 
-def _check_not_empty(dataset: object, side: str) -> None:
-    """Raise ``ValueError`` for a dataset of length 0."""
-    if hasattr(dataset, "__len__") and len(dataset) == 0:
+def _check_dataset(dataset: object, side: str) -> None:
+    """Check a ``train_dataset`` / ``test_dataset`` argument before any work starts.
+
+    ``TypeError`` unless it is a kind `check_dataset` accepts (the streamer
+    checks the same); ``ValueError`` for a dataset of length 0.
+    """
+    check_dataset(dataset, f"the {side} dataset")
+    if len(dataset) == 0:
         raise ValueError(f"the {side} dataset is empty; pass at least one {side} sample")
 
 
@@ -167,8 +174,6 @@ class BaseInnerProductAttributor(BaseAttributor):
         forward_model: nn.Module | None = None,
     ) -> GradientStreamer:
         """Live train-side source (batch ``per_device_train_batch_size``, train loss)."""
-        from dattri_llm.gradient._live import GradientStreamer
-
         task = self.require_task("generate_train_rep")
         return GradientStreamer(
             task.model,
@@ -193,11 +198,12 @@ class BaseInnerProductAttributor(BaseAttributor):
         forward_model: nn.Module | None = None,
         shard: bool = True,
     ) -> GradientStreamer:
-        """Live frozen test probe (batch ``per_device_eval_batch_size``, target function)."""
-        from dattri_llm.gradient._live import GradientStreamer
+        """Live frozen test probe (batch ``per_device_eval_batch_size``, target function).
 
+        Its ``role`` is ``"query"``: loss errors name the failing query batch.
+        """
         task = self.require_task("generate_test_rep")
-        return GradientStreamer(
+        streamer = GradientStreamer(
             task.model,
             test_dataset,
             self.args,
@@ -209,6 +215,8 @@ class BaseInnerProductAttributor(BaseAttributor):
             forward_model=forward_model if forward_model is not None else task.forward_model,
             shard=shard,
         )
+        streamer.role = "query"
+        return streamer
 
     def load_train_rep(
         self,
@@ -439,8 +447,8 @@ class BaseInnerProductAttributor(BaseAttributor):
         """
         from dattri_llm.gradient.storage_manager import GradientStorageManager
 
-        _check_not_empty(train_dataset, "training")
-        _check_not_empty(test_dataset, "test")
+        _check_dataset(train_dataset, "training")
+        _check_dataset(test_dataset, "test")
         root = Path(cache_dir if cache_dir is not None else self.args.output_dir).expanduser()
         pairs = []
         for k in self._ensemble(enable_update):
@@ -551,8 +559,8 @@ class BaseInnerProductAttributor(BaseAttributor):
                 "live scoring; use gradient_cache_residency=None"
             )
         self.require_task("attribute")
-        _check_not_empty(train_dataset, "training")
-        _check_not_empty(test_dataset, "test")
+        _check_dataset(train_dataset, "training")
+        _check_dataset(test_dataset, "test")
         options = {
             "hook_config": hook_config,
             "verbose": verbose,

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dattri_llm.utils.atomic import atomic_torch_save, atomic_write
+
 SCORES_FILE = "scores.pt"
 METADATA_FILE = "metadata.json"
 SCORE_TRAJECTORIES = ("agnostic", "aware")
@@ -219,11 +221,21 @@ class AttributionScore:
 
     # ------------------------------------------------------------------ persistence
     def save(self, out_dir: str | Path) -> Path:
-        """Write ``scores.pt`` and ``metadata.json`` into ``out_dir``; return the directory."""
+        """Write ``scores.pt`` and ``metadata.json`` into ``out_dir``; return the directory.
+
+        Each file is written crash-safely (temporary file, fsync, rename): a
+        save that fails or is killed mid-write leaves the previous file intact.
+        """
         out = Path(out_dir).expanduser()
         out.mkdir(parents=True, exist_ok=True)
-        torch.save(self.scores.detach().cpu(), out / SCORES_FILE)
-        metadata = {
+        metadata = json.dumps(self._metadata(), default=str).encode("utf-8")
+        atomic_torch_save(self.scores.detach().cpu(), out / SCORES_FILE)
+        atomic_write(out / METADATA_FILE, lambda handle: handle.write(metadata))
+        return out
+
+    def _metadata(self) -> dict[str, Any]:
+        """The JSON-able description :meth:`load` rebuilds the score from."""
+        return {
             "algorithm": self.algorithm,
             "algorithm_meta": self.algorithm_meta,
             "layer_name": self.layer_name,
@@ -236,11 +248,6 @@ class AttributionScore:
             "row_token_ids": self.row_token_ids,
             "test_ids": self.test_ids,
         }
-        tmp = out / (METADATA_FILE + ".tmp")
-        with tmp.open("w", encoding="utf-8") as handle:
-            json.dump(metadata, handle, default=str)
-        tmp.replace(out / METADATA_FILE)
-        return out
 
     @classmethod
     def load(cls, out_dir: str | Path) -> AttributionScore:

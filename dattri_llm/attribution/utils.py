@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from dattri_llm.gradient.streaming import GradientStreamer, rebatch_blocks
+
 if TYPE_CHECKING:
     from dattri_llm.attribution.base import BaseInnerProductAttributor
     from dattri_llm.gradient.gradient import Gradient
@@ -570,9 +572,6 @@ def _train_blocks(
     here drops each block as soon as the consumer is done with it, instead of holding
     its captures while the streamer runs the next batch's forward and backward.
     """
-    from dattri_llm.gradient._live import GradientStreamer
-    from dattri_llm.gradient.streaming import rebatch_blocks
-
     if not isinstance(source, GradientStreamer) or source._batch_size != batch_size:
         yield from rebatch_blocks(source, batch_size)
         return

@@ -1,8 +1,9 @@
 """The gradient tier: data model, ops, capture hooks and callbacks, store, sources.
 
 ``Gradient`` and ``Factorized`` are exported from :mod:`dattri_llm` and
-:mod:`dattri_llm.gradient.gradient`; the streaming sources from
-:mod:`dattri_llm.gradient.streaming`.
+:mod:`dattri_llm.gradient.gradient`; the gradient sources (``GradientStreamer``,
+``DiskGradientSource``) from :mod:`dattri_llm.gradient.streaming`, whose model
+placement (DDP / FSDP wrapping) is in :mod:`dattri_llm.gradient.wrapping`.
 """
 
 from dattri_llm.gradient import ops

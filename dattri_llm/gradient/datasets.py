@@ -1,32 +1,43 @@
-"""Reading a gradient store as a sequence of per-step blocks.
+"""Datasets on both sides of capture: the inputs streamed, and the gradient stores read back.
 
-A *block* is ``(step, gradient, identifiers)``: all records of one step inside
-one stored group, batch-concatenated (token axes right-padded) in record
-order. Blocks come in `GradientStorageManager.iter_steps` order (store order
-of the groups, then ascending step), and each group is read once even when
-it holds several steps.
+Inputs: `check_dataset` admits what `GradientStreamer` (and through it every
+attributor) streams: a list of dicts, a map-style ``torch`` `Dataset` of dicts,
+or a Hugging Face ``datasets.Dataset``.
+
+Stores: a *block* is ``(step, gradient, identifiers)``: all records of one
+step inside one stored group, batch-concatenated (token axes right-padded) in
+record order. Blocks come in `GradientStorageManager.iter_steps` order (store
+order of the groups, then ascending step), and each group is read once even
+when it holds several steps. `DiskGradientSource` is the re-iterable gradient
+source over a store, and `rebatch_blocks` cuts any source's dense blocks to a
+fixed number of rows (both re-exported by :mod:`dattri_llm.gradient.streaming`).
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import torch.utils.data
 
-from dattri_llm.gradient.gradient import Gradient, GradientRecord, base_layer_name
+from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord, base_layer_name
 from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
-from dattri_llm.gradient.storage_manager import load_group_file
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.storage_manager import GradientStorageManager
 
 __all__ = [
+    "ACCEPTED_DATASETS",
+    "DiskGradientSource",
     "GroupBlockDataset",
+    "check_dataset",
     "concatenate_gradients",
     "group_blocks",
     "iter_gradient_blocks",
+    "rebatch_blocks",
     "resolve_layer_filter",
     "resolve_steps",
     "select_block_layers",
@@ -34,6 +45,83 @@ __all__ = [
 
 Block = tuple[int, Gradient, list[str]]
 StepPlan = list[tuple[str, dict[int, list[int]]]]
+
+ACCEPTED_DATASETS = (
+    "a list of dicts, a torch.utils.data.Dataset whose items are dicts (map-style: __len__ "
+    "and __getitem__), or a Hugging Face datasets.Dataset (tuple items, as a TensorDataset "
+    "gives, are accepted for a custom loss_func that reads positional fields)"
+)
+
+_END = object()
+
+
+# --------------------------------------------------------------------------- input datasets
+
+
+def _type_name(value: object) -> str:
+    cls = type(value)
+    return (
+        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    )
+
+
+def _is_hf_dataset(dataset: object) -> bool:
+    """Whether ``dataset`` is a Hugging Face ``datasets.Dataset`` (never imports ``datasets``)."""
+    hf = sys.modules.get("datasets")
+    return hf is not None and isinstance(dataset, getattr(hf, "Dataset", ()))
+
+
+def _is_map_style(dataset: object) -> bool:
+    """A list/tuple, a sized non-iterable-style ``torch`` `Dataset`, or an HF ``Dataset``."""
+    if isinstance(dataset, (list, tuple)) or _is_hf_dataset(dataset):
+        return True
+    return (
+        isinstance(dataset, torch.utils.data.Dataset)
+        and not isinstance(dataset, torch.utils.data.IterableDataset)
+        and hasattr(dataset, "__len__")
+    )
+
+
+def _refusal_hint(dataset: object) -> str:
+    if isinstance(dataset, Mapping):
+        return (
+            f" (keys {sorted(map(str, dataset))[:5]}); for a dict of columns use "
+            "datasets.Dataset.from_dict(columns) or one dict per sample"
+        )
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return "; iterable-style datasets are not supported (streaming needs len() and indexing)"
+    if isinstance(dataset, torch.Tensor):
+        return f" of shape {tuple(dataset.shape)}; wrap each sample in a dict, e.g. {{'x': row}}"
+    return ""
+
+
+def check_dataset(dataset: object, what: str = "dataset") -> None:
+    """Raise ``TypeError`` unless ``dataset`` is one of the `ACCEPTED_DATASETS` kinds.
+
+    Accepted: a list (or tuple) of dicts, a map-style ``torch.utils.data.Dataset``
+    (``__len__`` + ``__getitem__``) whose items are dicts, a Hugging Face
+    ``datasets.Dataset``. The first item (when there is one) must be a mapping,
+    or a tuple of positional fields (a ``TensorDataset``, a dattri-style task)
+    for a custom loss function. Refused, among others: a dict of columns, a
+    bare tensor, a list of tensors, an iterable-style dataset. ``what`` names
+    the argument in the message (e.g. ``"train_dataset"``).
+    """
+    if not _is_map_style(dataset):
+        raise TypeError(
+            f"{what} must be {ACCEPTED_DATASETS}; got {_type_name(dataset)}{_refusal_hint(dataset)}"
+        )
+    if len(dataset) == 0:
+        return
+    first = dataset[0]
+    if not isinstance(first, (Mapping, tuple)):
+        raise TypeError(
+            f"{what} must be {ACCEPTED_DATASETS}; got a {_type_name(dataset)} whose item 0 is a "
+            f"{_type_name(first)}, not a dict; give each sample as a dict of named fields (the "
+            "keys the loss function reads)"
+        )
+
+
+# --------------------------------------------------------------------------- gradient stores
 
 
 def resolve_steps(
@@ -68,10 +156,6 @@ def resolve_steps(
     return chosen
 
 
-def _is_param_grad(gradient: Gradient, name: str) -> bool:
-    return gradient.layer_types[name] == PARAM_GRAD_TYPES
-
-
 def resolve_layer_filter(gradient: Gradient, layer_name: Sequence[str] | None, where: str) -> None:
     """Check a layer filter against a stored gradient; warn about dropped ``param_grad`` layers.
 
@@ -86,7 +170,7 @@ def resolve_layer_filter(gradient: Gradient, layer_name: Sequence[str] | None, w
         if missing:
             raise KeyError(f"layers {missing} are not in {where}; stored layers: {sorted(stored)}.")
         stored = {n for n in stored if n in layer_name or base_layer_name(n) in layer_name}
-    param_grad = sorted(n for n in stored if _is_param_grad(gradient, n))
+    param_grad = sorted(n for n in stored if gradient._is_param_grad(n))
     if param_grad:
         warnings.warn(
             f"{where}: dropping batch-level param_grad layers {param_grad} (they hold no "
@@ -105,7 +189,7 @@ def select_block_layers(gradient: Gradient, layer_name: Sequence[str] | None) ->
     """``gradient`` restricted to ``layer_name`` (plus ``name@k``) without ``param_grad`` layers."""
     if layer_name is not None:
         gradient = gradient.select_layers(layer_name, include_derived=True)
-    keep = [n for n in gradient.data if not _is_param_grad(gradient, n)]
+    keep = [n for n in gradient.data if not gradient._is_param_grad(n)]
     if len(keep) == len(gradient.data):
         return gradient
     return gradient.select_layers(keep)
@@ -151,16 +235,6 @@ def iter_gradient_blocks(
         yield from group_blocks(file_manager.load_records(location), step_idxs, layer_name)
 
 
-class _DiskGroupLoader:
-    """Picklable ``location → records`` reader of a ``"disk"`` store (for worker processes)."""
-
-    def __init__(self, file_manager: GradientStorageManager) -> None:
-        self.save_dir = file_manager.save_dir
-
-    def __call__(self, location: str) -> list[GradientRecord]:
-        return load_group_file(self.save_dir / location)
-
-
 class GroupBlockDataset(torch.utils.data.Dataset):
     """Map-style dataset: item ``i`` = the blocks of the ``i``-th planned group.
 
@@ -185,13 +259,12 @@ class GroupBlockDataset(torch.utils.data.Dataset):
         plan: StepPlan,
         layer_name: Sequence[str] | None,
     ) -> GroupBlockDataset:
-        """Dataset over ``plan``: disk groups read from their files, RAM groups via the store."""
-        load = (
-            _DiskGroupLoader(file_manager)
-            if file_manager.residency == "disk"
-            else file_manager.load_records
-        )
-        return cls(load, plan, layer_name)
+        """Dataset over ``plan``, read through ``file_manager.load_records``.
+
+        The store drops samples that were saved again later from their older
+        records; the manager is picklable, so worker processes read the same way.
+        """
+        return cls(file_manager.load_records, plan, layer_name)
 
     def __len__(self) -> int:
         """Number of groups."""
@@ -204,3 +277,228 @@ class GroupBlockDataset(torch.utils.data.Dataset):
         if torch.utils.data.get_worker_info() is not None:
             blocks = [(step, gradient.clone(), ids) for step, gradient, ids in blocks]
         return blocks
+
+
+def _identity(item: object) -> object:
+    return item
+
+
+def _one_ahead(iterable: Iterable[Any]) -> Iterator[Any]:
+    """Iterate ``iterable`` while a background thread already fetches the next item."""
+    iterator = iter(iterable)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dattri-llm-prefetch") as pool:
+        pending = pool.submit(next, iterator, _END)
+        while True:
+            item = pending.result()
+            if item is _END:
+                return
+            pending = pool.submit(next, iterator, _END)
+            yield item
+
+
+class DiskGradientSource:
+    """Re-iterable source over a `GradientStorageManager` (any residency).
+
+    Yields one block per ``(location, step)`` pair in ``iter_steps`` order: all
+    records of that step in that group, batch-concatenated (tokens padded),
+    with their identifiers. ``layer_name`` keeps those layers and their
+    ``name@k`` virtual layers; ``param_grad`` layers are dropped with a
+    `UserWarning`. ``"disk"`` stores are read through a `DataLoader` with
+    ``args.dataloader_num_workers`` workers (with 0 workers the next group is
+    prefetched on a background thread); RAM stores are read in-process.
+
+    Args:
+        file_manager: the store.
+        args: attribution arguments (reads ``dataloader_num_workers`` and
+            ``should_log``).
+        steps: stored steps to read (``None`` = all); see `resolve_steps`.
+        layer_name: a layer name or list of names (``None`` = all stored layers).
+        desc: progress-bar label; a tqdm bar is shown only when ``desc`` is
+            given, ``verbose`` is true and ``args.should_log``.
+        verbose: see ``desc``.
+
+    Raises:
+        KeyError: a requested layer is not stored.
+        ValueError: no requested step is stored, the store is empty, or no
+            per-sample layer remains.
+        FileNotFoundError: a ``"disk"`` store directory that does not exist.
+    """
+
+    def __init__(
+        self,
+        file_manager: GradientStorageManager,
+        args: Any,
+        *,
+        steps: Iterable[int] | None = None,
+        layer_name: str | list[str] | None = None,
+        desc: str | None = None,
+        verbose: bool = False,
+    ) -> None:
+        self._file_manager = file_manager
+        self._args = args
+        self._steps = resolve_steps(file_manager, steps)
+        self._layer_name = [layer_name] if isinstance(layer_name, str) else layer_name
+        if self._layer_name is not None:
+            self._layer_name = list(self._layer_name)
+        self._desc = desc
+        self._verbose = verbose
+        self._plan = file_manager.iter_steps(self._steps)
+        self._num_blocks = sum(len(step_idxs) for _, step_idxs in self._plan)
+        location, step_idxs = self._plan[0]
+        first = file_manager.load_records(location)[next(iter(step_idxs.values()))[0]]
+        resolve_layer_filter(
+            first.gradient, self._layer_name, f"gradient store {file_manager.save_dir}"
+        )
+
+    @property
+    def args(self) -> Any:
+        """The attribution arguments."""
+        return self._args
+
+    @property
+    def file_manager(self) -> GradientStorageManager:
+        """The store read from."""
+        return self._file_manager
+
+    @property
+    def steps(self) -> list[int]:
+        """Steps read, ascending."""
+        return list(self._steps)
+
+    @property
+    def layer_name(self) -> list[str] | None:
+        """Layer filter (``None`` = all stored layers)."""
+        return None if self._layer_name is None else list(self._layer_name)
+
+    @property
+    def reusable(self) -> bool:
+        """Always ``True``: a store can be re-read."""
+        return True
+
+    def __len__(self) -> int:
+        """Number of ``(location, step)`` blocks per pass."""
+        return self._num_blocks
+
+    def __repr__(self) -> str:
+        """Store, steps and layer filter."""
+        return (
+            f"DiskGradientSource({self._file_manager!r}, steps={len(self._steps)}, "
+            f"blocks={self._num_blocks}, layer_name={self._layer_name})"
+        )
+
+    def for_steps(self, steps: int | Iterable[int]) -> DiskGradientSource:
+        """Same store and layer filter restricted to ``steps`` (no progress bar).
+
+        Raises:
+            ValueError: none of ``steps`` is among this source's steps.
+        """
+        wanted = {int(steps)} if isinstance(steps, int) else {int(s) for s in steps}
+        restricted = [s for s in self._steps if s in wanted]
+        if not restricted:
+            raise ValueError(
+                f"DiskGradientSource.for_steps: none of {sorted(wanted)} is among the source's "
+                f"steps {self._steps}."
+            )
+        return DiskGradientSource(
+            self._file_manager, self._args, steps=restricted, layer_name=self._layer_name
+        )
+
+    def __iter__(self) -> Iterator[Block]:
+        """Blocks in store order; each group is read once."""
+        blocks = (block for group in self._groups() for block in group)
+        if self._desc is not None and self._verbose and getattr(self._args, "should_log", True):
+            from tqdm.auto import tqdm
+
+            blocks = tqdm(blocks, total=self._num_blocks, desc=self._desc)
+        return iter(blocks)
+
+    def _groups(self) -> Iterator[list[Block]]:
+        dataset = GroupBlockDataset.for_store(self._file_manager, self._plan, self._layer_name)
+        if self._file_manager.residency != "disk":
+            return (dataset[i] for i in range(len(dataset)))
+        workers = int(getattr(self._args, "dataloader_num_workers", 0) or 0)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=None, shuffle=False, num_workers=workers, collate_fn=_identity
+        )
+        return iter(loader) if workers > 0 else _one_ahead(loader)
+
+
+# --------------------------------------------------------------------------- re-batching
+
+
+def _is_dense(block: Gradient) -> bool:
+    """No factorized and no batch-level ``param_grad`` layer."""
+    return all(
+        not isinstance(value, Factorized) and block.layer_types[name] != PARAM_GRAD_TYPES
+        for name, value in block.data.items()
+    )
+
+
+def _structure(block: Gradient) -> tuple:
+    return tuple(
+        sorted((name, block.layer_types[name], block.indexing[name]) for name in block.data)
+    )
+
+
+class _DenseBuffer:
+    """Pending dense rows: pieces of ``(per-row steps, block, identifiers)``."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[list[int], Gradient, list[str]]] = []
+        self.rows = 0
+
+    def add(self, steps: list[int], block: Gradient, ids: list[str]) -> None:
+        self.pieces.append((steps, block, ids))
+        self.rows += len(steps)
+
+    def merged(self) -> tuple[list[int], Gradient, list[str]]:
+        steps = [s for piece in self.pieces for s in piece[0]]
+        ids = [h for piece in self.pieces for h in piece[2]]
+        return steps, concatenate_gradients([piece[1] for piece in self.pieces]), ids
+
+    def take(self, n: int) -> tuple[list[int], Gradient, list[str]]:
+        """The first ``n`` rows; the rest stays buffered."""
+        steps, block, ids = self.merged()
+        self.pieces, self.rows = [], 0
+        if len(steps) > n:
+            rest = block.slice("batch", list(range(n, len(steps))))
+            self.add(steps[n:], rest, ids[n:])
+            block = block.slice("batch", list(range(n)))
+        return steps[:n], block, ids[:n]
+
+
+def rebatch_blocks(
+    source: Iterable[Block], batch_size: int
+) -> Iterator[tuple[list[int], Gradient, list[str]]]:
+    """Re-batch dense blocks to ``batch_size`` rows; factorized blocks pass through.
+
+    Yields ``(per-row steps, block, identifiers)``. Consecutive dense blocks
+    (all layers materialized, same layers) are concatenated and cut into
+    blocks of exactly ``batch_size`` rows (the last of a run may be smaller);
+    a factorized block (or one with another layer structure) first flushes
+    the pending rows, and factorized blocks are yielded one at a time.
+
+    Raises:
+        ValueError: ``batch_size < 1``.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"rebatch_blocks: batch_size must be an int >= 1, got {batch_size!r}.")
+    buffer = _DenseBuffer()
+    structure = None
+    for step, block, ids in source:
+        rows = [step] * len(ids)
+        if not _is_dense(block):
+            if buffer.rows:
+                yield buffer.take(buffer.rows)
+            yield rows, block, list(ids)
+            del block  # release it before the source produces the next one
+            continue
+        if buffer.rows and _structure(block) != structure:
+            yield buffer.take(buffer.rows)
+        structure = _structure(block)
+        buffer.add(rows, block, list(ids))
+        del block
+        while buffer.rows >= batch_size:
+            yield buffer.take(batch_size)
+    if buffer.rows:
+        yield buffer.take(buffer.rows)

@@ -19,10 +19,13 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import InitVar, dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
+from dattri_llm.gradient.ops.dot import cross_dot_per_token, grad_norm_sq, layerwise_cross_dot
+from dattri_llm.gradient.ops.materialize import materialize
+from dattri_llm.gradient.ops.projection import DattriProjector, project_layer
 from dattri_llm.gradient.ops.types import (
     ALL_LAYER_TYPES,
     PARAM_GRAD_TYPES,
@@ -31,9 +34,6 @@ from dattri_llm.gradient.ops.types import (
     is_embedding,
     is_norm,
 )
-
-if TYPE_CHECKING:
-    from dattri_llm.gradient.ops.projection import DattriProjector
 
 __all__ = [
     "Factorized",
@@ -91,6 +91,26 @@ def _pin(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.pin_memory()
 
 
+def _moved(
+    tensor: torch.Tensor,
+    device: torch.device | str | torch.dtype | None,
+    dtype: torch.dtype | None,
+    non_blocking: bool,
+) -> torch.Tensor:
+    """``tensor`` on ``device``, cast to ``dtype`` only if it is floating (ids stay integer).
+
+    A dtype given as ``device`` (``to(torch.bfloat16)``, as for tensors) is the ``dtype``.
+    """
+    if isinstance(device, torch.dtype):
+        if dtype is not None:
+            raise TypeError(
+                f"to(): got a dtype ({device}) as device and dtype={dtype}; pass one dtype."
+            )
+        device, dtype = None, device
+    cast = dtype if tensor.is_floating_point() else None
+    return tensor.to(device=device, dtype=cast, non_blocking=non_blocking)
+
+
 def _tensor_nbytes(tensor: torch.Tensor) -> int:
     """Bytes of ``tensor``'s elements."""
     return tensor.numel() * tensor.element_size()
@@ -119,14 +139,19 @@ class Factorized:
 
     def to(
         self,
-        device: torch.device | str | None = None,
+        device: torch.device | str | torch.dtype | None = None,
         dtype: torch.dtype | None = None,
         non_blocking: bool = False,
     ) -> Factorized:
-        """Copy with both factors moved/cast (integer factors too when ``dtype`` is given)."""
+        """Copy with both factors moved; floating factors cast to ``dtype``.
+
+        Integer factors (embedding token ids) keep their dtype: a 16-bit float
+        cannot hold ids above 256 exactly. ``to(torch.bfloat16)`` means
+        ``to(dtype=torch.bfloat16)``, as for tensors.
+        """
         return self._with_factors(
-            self.activation.to(device=device, dtype=dtype, non_blocking=non_blocking),
-            self.pre_activation_grad.to(device=device, dtype=dtype, non_blocking=non_blocking),
+            _moved(self.activation, device, dtype, non_blocking),
+            _moved(self.pre_activation_grad, device, dtype, non_blocking),
         )
 
     def pin_memory(self) -> Factorized:
@@ -690,14 +715,15 @@ class Gradient:
 
     def to(
         self,
-        device: torch.device | str | None = None,
+        device: torch.device | str | torch.dtype | None = None,
         dtype: torch.dtype | None = None,
         non_blocking: bool = False,
     ) -> Gradient:
-        """Every payload moved/cast (as :meth:`Factorized.to` for factorized layers)."""
-        return self._map_tensors(
-            lambda t: t.to(device=device, dtype=dtype, non_blocking=non_blocking)
-        )
+        """Every payload moved; floating payloads cast to ``dtype``, integer ones kept.
+
+        As :meth:`Factorized.to`: integer factors (embedding token ids) keep their dtype.
+        """
+        return self._map_tensors(lambda t: _moved(t, device, dtype, non_blocking))
 
     def pin_memory(self) -> Gradient:
         """Unpinned CPU payloads pinned (no-op without an accelerator)."""
@@ -713,7 +739,6 @@ class Gradient:
         factorized = [n for n, r in self.representation.items() if r == "factorized"]
         if not factorized:
             return self
-        from dattri_llm.gradient.ops.materialize import materialize
 
         def materialize_one(name: str, value: GradientData, layer_type: str) -> torch.Tensor:
             with _naming_layer("materialize", name):
@@ -745,8 +770,6 @@ class Gradient:
             ValueError, TypeError, NotImplementedError: from the kernels, prefixed with
                 the layer name (e.g. ``"logra"`` requested for a norm layer).
         """
-        from dattri_llm.gradient.ops.projection import DattriProjector, project_layer
-
         default = proj_kwargs.get("__default__")
         configs = {
             name: proj_kwargs.get(name, default)
@@ -970,8 +993,6 @@ class Gradient:
             g1, g2 = v1.pre_activation_grad, v2.pre_activation_grad
             if a1.shape == a2.shape and g1.shape == g2.shape and torch.equal(a1, a2):
                 return v1._with_factors(a1, _weighted_mean(g1, g2, batch1, batch2))
-            from dattri_llm.gradient.ops.materialize import materialize
-
             v1, v2 = materialize(v1, layer_type), materialize(v2, layer_type)
         elif self.indexing[name] == "batch_token":
             v1, v2 = _pad_dense_tokens(v1, v2)
@@ -998,8 +1019,6 @@ class Gradient:
                 f"Gradient.aggregate: only dim='token' is supported (the chain rule sums over "
                 f"tokens), got {dim!r}."
             )
-        from dattri_llm.gradient.ops.materialize import materialize
-
         representation = dict((n, self.representation[n]) for n in self.data)
         data: dict[str, GradientData] = {}
         for name, value in self.data.items():
@@ -1065,8 +1084,6 @@ class Gradient:
     def _norms_sq(self, layers: Iterable[str], mode: str) -> dict[str, torch.Tensor]:
         """``{layer: (B,) ‖dW_i‖²}``: dense per-token payloads summed over tokens first,
         a ``param_grad`` payload counted as one row (as ``ops.layerwise_cross_dot`` does)."""
-        from dattri_llm.gradient.ops.dot import grad_norm_sq
-
         norms = {}
         for name in layers:
             value = self.data[name]
@@ -1115,8 +1132,6 @@ class Gradient:
                     f"{sorted(other.data)})."
                 )
             return {}
-        from dattri_llm.gradient.ops.dot import layerwise_cross_dot
-
         grams = layerwise_cross_dot(self, other, layers=shared, mode=mode, reduce="none")
         grams = {name: grams[name] for name in shared}
         shape = _broadcast_shape(list(grams.values()))
@@ -1159,8 +1174,6 @@ class Gradient:
                 "Gradient.similarity_per_token: no layer of self is factorized, 'batch_token' "
                 f"and present in other (self: {sorted(self.data)}, other: {sorted(other.data)})."
             )
-        from dattri_llm.gradient.ops.dot import cross_dot_per_token
-
         scores = {
             name: cross_dot_per_token(self.data[name], other.data[name], self.layer_types[name])
             for name in layers

@@ -1,59 +1,71 @@
 """Gradient store: groups of `GradientRecord` s plus an index ``identifier → occurrences``.
 
-A *group* is one unit of writing (one call of `GradientStorageManager.save_bulk`)
-holding one or more records. The index maps every sample identifier (content
-hash or ``sample_id_key`` value) to its occurrences
-``{"file": location, "idx": record position, "step": int, "sample_idx": row}``.
+A *group* is one unit of writing (one `GradientStorageManager.save` /
+`GradientStorageManager.save_bulk` call) holding one or more records. The index
+maps every sample identifier (content hash or ``sample_id_key`` value) to its
+occurrences ``{"file": location, "idx": record position, "step": int,
+"sample_idx": row}``; each (step, identifier) pair is held once, the newest
+save replacing earlier ones.
 
-On-disk layout of a ``"disk"`` store (the write directory is ``save_dir``, or
-``save_dir/rank_<r>/`` under an initialised process group)::
+On-disk layout of a ``"disk"`` store (the reference design's format 2; the write
+directory is ``save_dir``, or ``save_dir/rank_<r>/`` under a process group)::
 
-    store.json       settings sidecar: format version, sample_id_key,
-                     gradient_accumulation_steps, projection (rewritten atomically)
-    index.jsonl      append-only log, one line per group:
-                     {"file": name, "records": [{"idx", "step", "ids"}, ...]}
-    group_<n>.mmap   memmap group: magic, header length, JSON header, raw bytes
-    group_<n>.pt     pickle group (``torch.save``)
+    index_meta.json          {"format": 2, "sample_id_key", "gradient_accumulation_steps"}
+    projection.json          the declared capture projection (`projection_record`), if any
+    index.jsonl              one compact line per group:
+                             {"file": handle, "records": [{"idx", "step", "hashes"}, ...]}
+    batch_<NNNNNN>.mmap.bin  save_bulk memmap group: raw tensor bytes, 8-byte aligned parts
+    batch_<NNNNNN>.mmap.meta torch.save'd {"format": 2, "records": [...]} (part specs)
+    batch_<NNNNNN>.pt        save_bulk pickle group: torch.save(list of GradientRecord)
+    step_<step>_<id>.*       save() groups (identifier made file-system safe)
 
-Crash safety: a group file is written under a temporary name, fsynced and
-renamed *before* its log line is appended (and fsynced), so a killed writer
-leaves at most an unindexed file or a truncated last log line, which readers
-ignore with a `UserWarning`.
+Handles (``file`` of the index) are paths relative to ``save_dir``; a memmap
+group's handle is ``<base>.mmap`` (backed by ``.mmap.bin`` + ``.mmap.meta``).
 
-Every group carries a self-describing JSON header (format version, per record
-the step, identifiers and per layer its representation, layer type, indexing,
-``module_kwargs`` and the dtype/shape of every tensor). Reading checks the
-version and, for pickle groups, that the loaded tensors match the header.
-Memmap groups are read back as copy-on-write memory-mapped views (no
-unpickling); a group whose payloads or ``module_kwargs`` cannot be described
-in JSON falls back to pickle.
+Crash safety: group files and sidecars are written under a temporary name,
+fsynced and renamed *before* the group's log line is appended (and fsynced),
+so a killed writer leaves at most an unindexed file or a truncated last log
+line, which readers ignore with a `UserWarning`. Auto-named group files are
+claimed with an exclusive create, so writers sharing a directory never
+overwrite each other's groups.
+
+Reading never runs code from the files: pickle groups and ``.mmap.meta`` files
+load with ``torch.load(weights_only=True)``, only this library's record classes
+allowed besides tensors and plain containers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import tempfile
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
+from dattri_llm.gradient.ops.projection import DattriProjector
 from dattri_llm.options import CacheResidency, DiskFormat
-from dattri_llm.utils.atomic import atomic_write
-from dattri_llm.utils.cache import CACHE_RESIDENCIES, TensorCache, available_host_bytes
+from dattri_llm.utils.atomic import atomic_torch_save, atomic_write
+from dattri_llm.utils.cache import CACHE_RESIDENCIES, TensorCache
+from dattri_llm.utils.distributed import dist_rank
+from dattri_llm.utils.hashing import hash_sample
 
 __all__ = [
     "DISK_FORMATS",
     "FORMAT_VERSION",
     "INDEX_FILE",
+    "PROJECTION_FILE",
     "SIDECAR_FILE",
+    "TIERED_BUDGET_FRACTION",
     "GradientStorageManager",
     "load_group_file",
     "projection_record",
@@ -61,17 +73,22 @@ __all__ = [
 ]
 
 DISK_FORMATS = ("pickle", "memmap")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+TIERED_BUDGET_FRACTION = 0.5
 
-SIDECAR_FILE = "store.json"
 INDEX_FILE = "index.jsonl"
-_MAGIC = b"DTLLMGRP"
-_PREAMBLE = len(_MAGIC) + 8
-_ALIGN = 64
-_SUFFIX = {"memmap": ".mmap", "pickle": ".pt"}
-_GROUP_RE = re.compile(r"^group_(\d+)\.")
-_RANK_DIR_RE = re.compile(r"^rank_(\d+)$")
-_TUPLE_TAG = "__tuple__"
+SIDECAR_FILE = "index_meta.json"
+PROJECTION_FILE = "projection.json"
+MMAP_SUFFIX = ".mmap"
+PICKLE_SUFFIX = ".pt"
+_BIN, _META = ".bin", ".meta"
+_GROUP_FILE_SUFFIXES = (PICKLE_SUFFIX, MMAP_SUFFIX + _BIN, MMAP_SUFFIX + _META)
+_ALIGN = 8
+_FALLBACK_HOST_BYTES = 16 * 1024**3
+_BATCH_RE = re.compile(r"^batch_(\d+)\.")
+_RAM_SEQ_RE = re.compile(r"(?:mem|entry)_(\d+)")
+_UNSAFE_NAME_CHAR = re.compile(r"[^A-Za-z0-9_.\-]")
+_SAFE_GLOBALS = [GradientRecord, Gradient, Factorized]
 _DEFAULT_PROJECTION = {"style": "logra", "proj_seed": 0, "include_bias": True}
 _DEFAULT_FACTORIES = (
     "dattri.func.projection.random_project",
@@ -79,301 +96,261 @@ _DEFAULT_FACTORIES = (
 )
 
 
-# --------------------------------------------------------------------------- JSON encoding
+def _total_host_bytes() -> int:
+    """Total physical host memory in bytes (16 GiB when the platform does not report it)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return _FALLBACK_HOST_BYTES
 
 
-class _NotJSONable(Exception):
-    """A value that the primitives-only header cannot describe."""
+# --------------------------------------------------------------------------- safe loading
 
 
-def _encode_json(value: Any) -> Any:
-    """JSON-able form of ``value``; tuples become ``{"__tuple__": [...]}`` (restored on read)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, tuple):
-        return {_TUPLE_TAG: [_encode_json(v) for v in value]}
-    if isinstance(value, list):
-        return [_encode_json(v) for v in value]
-    if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value) or _TUPLE_TAG in value:
-            raise _NotJSONable
-        return {k: _encode_json(v) for k, v in value.items()}
-    raise _NotJSONable
+def _safe_torch_load(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` allowing this library's record classes.
+
+    A file needing any other object is refused with `ValueError` (nothing in it runs).
+    """
+    try:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = next(
+            (line.strip() for line in str(err).splitlines() if "Unsupported" in line),
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        raise ValueError(
+            f"gradient store file {path} was refused: it holds objects other than tensors, "
+            f"plain containers and dattri_llm gradient records ({reason}). Store files are "
+            f"loaded with weights_only=True so that opening one never runs code from it; only "
+            f"open stores written by dattri_llm or the reference design."
+        ) from None
 
 
-def _decode_json(value: Any) -> Any:
-    """Inverse of `_encode_json`."""
-    if isinstance(value, list):
-        return [_decode_json(v) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {_TUPLE_TAG}:
-            return tuple(_decode_json(v) for v in value[_TUPLE_TAG])
-        return {k: _decode_json(v) for k, v in value.items()}
-    return value
+# --------------------------------------------------------------------------- group files
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _parse_dtype(name: str, path: Path) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+def _parse_dtype(name: object, path: Path) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"gradient group {path}: unknown tensor dtype {name!r} in its header.")
+        raise ValueError(f"gradient group {path}: unknown tensor dtype {name!r} in its metadata.")
     return dtype
 
 
-# --------------------------------------------------------------------------- group encoding
-
-
-class _GroupEncoder:
-    """Splits records into a JSON header, a tensor list and (pickle-only) objects."""
-
-    def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self.tensor_descs: list[dict[str, Any]] = []
-        self.objects: list[Any] = []
-
-    def tensor(self, value: torch.Tensor, record: int, layer: str, role: str) -> int:
-        value = value.detach().to("cpu")
-        self.tensors.append(value)
-        self.tensor_descs.append(
-            {
-                "dtype": _dtype_name(value.dtype),
-                "shape": list(value.shape),
-                "record": record,
-                "layer": layer,
-                "role": role,
-            }
-        )
-        return len(self.tensors) - 1
-
-    def obj(self, value: Any) -> dict[str, int]:
-        self.objects.append(value)
-        return {"object": len(self.objects) - 1}
-
-    def payload(self, value: Any, record: int, layer: str) -> dict[str, Any]:
-        if isinstance(value, torch.Tensor):
-            return {"kind": "tensor", "tensor": self.tensor(value, record, layer, "tensor")}
-        if isinstance(value, Factorized):
-            try:
-                kwargs: Any = {"json": _encode_json(value.module_kwargs)}
-            except _NotJSONable:
-                kwargs = self.obj(value.module_kwargs)
-            return {
-                "kind": "factorized",
-                "activation": self.tensor(value.activation, record, layer, "activation"),
-                "pre_activation_grad": self.tensor(
-                    value.pre_activation_grad, record, layer, "pre_activation_grad"
-                ),
-                "module_kwargs": kwargs,
-                "batch_first": bool(value.batch_first),
-            }
-        return {"kind": "object", **self.obj(value)}
-
-    def record(self, record: GradientRecord, position: int) -> dict[str, Any]:
-        gradient = record.gradient
-        layers = [
-            {
-                "name": name,
-                "representation": gradient.representation[name],
-                "layer_type": gradient.layer_types[name],
-                "indexing": gradient.indexing.get(name, "batch"),
-                "payload": self.payload(value, position, name),
-            }
-            for name, value in gradient.data.items()
-        ]
-        hashes = record.input_hash
-        return {
-            "step": int(record.step),
-            "input_hash": str(hashes) if isinstance(hashes, str) else [str(h) for h in hashes],
-            "sample_id_key": record.sample_id_key,
-            "layers": layers,
-        }
-
-
-def _encode_group(
-    records: Sequence[GradientRecord], disk_format: str
-) -> tuple[dict[str, Any], list[torch.Tensor], list[Any]]:
-    """``(header, tensors, objects)``; a memmap group with objects falls back to pickle."""
-    encoder = _GroupEncoder()
-    described = [encoder.record(r, i) for i, r in enumerate(records)]
-    fmt = "pickle" if encoder.objects else disk_format
-    header = {
-        "format_version": FORMAT_VERSION,
-        "format": fmt,
-        "records": described,
-        "tensors": encoder.tensor_descs,
-    }
-    return header, encoder.tensors, encoder.objects
-
-
-def _decode_payload(
-    payload: dict[str, Any], tensors: list[torch.Tensor], objects: list[Any]
-) -> Any:
-    kind = payload["kind"]
-    if kind == "tensor":
-        return tensors[payload["tensor"]]
-    if kind == "object":
-        return objects[payload["object"]]
-    kwargs = payload["module_kwargs"]
-    module_kwargs = _decode_json(kwargs["json"]) if "json" in kwargs else objects[kwargs["object"]]
-    return Factorized(
-        tensors[payload["activation"]],
-        tensors[payload["pre_activation_grad"]],
-        module_kwargs=module_kwargs,
-        batch_first=payload["batch_first"],
+def _memmap_compatible(records: Sequence[GradientRecord]) -> bool:
+    """Whether every payload is a tensor or a `Factorized` (else the group is pickled)."""
+    return all(
+        isinstance(value, (torch.Tensor, Factorized))
+        for record in records
+        for value in record.gradient.data.values()
     )
 
 
-def _decode_group(
-    header: dict[str, Any], tensors: list[torch.Tensor], objects: list[Any]
-) -> list[GradientRecord]:
-    records = []
-    for described in header["records"]:
-        layers = described["layers"]
-        gradient = Gradient(
-            representation={x["name"]: x["representation"] for x in layers},
-            data={x["name"]: _decode_payload(x["payload"], tensors, objects) for x in layers},
-            layer_types={x["name"]: x["layer_type"] for x in layers},
-            indexing={x["name"]: x["indexing"] for x in layers},
-            validate_on_init=False,
-        )
-        records.append(
-            GradientRecord(
-                step=described["step"],
-                input_hash=described["input_hash"],
-                gradient=gradient,
-                sample_id_key=described["sample_id_key"],
-            )
-        )
-    return records
+def _group_suffix(records: Sequence[GradientRecord], disk_format: str) -> str:
+    """Handle suffix of a group: ``.mmap`` for memmap-able groups in memmap format, else ``.pt``."""
+    if disk_format == "memmap" and _memmap_compatible(records):
+        return MMAP_SUFFIX
+    return PICKLE_SUFFIX
 
 
-# --------------------------------------------------------------------------- group files
+def _stored_hashes(record: GradientRecord) -> str | list[str]:
+    hashes = record.input_hash
+    return str(hashes) if isinstance(hashes, str) else [str(h) for h in hashes]
 
 
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+class _BinLayout:
+    """Collects tensor parts of a memmap group and their ``{byte_off, nbytes, shape, dtype}``."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[int, torch.Tensor]] = []
+        self.size = 0
+
+    def add(self, tensor: torch.Tensor) -> dict[str, Any]:
+        tensor = tensor.detach().to("cpu")
+        spec = {
+            "byte_off": self.size,
+            "nbytes": tensor.numel() * tensor.element_size(),
+            "shape": list(tensor.shape),
+            "dtype": _dtype_name(tensor.dtype),
+        }
+        self.parts.append((self.size, tensor))
+        self.size += -(-spec["nbytes"] // _ALIGN) * _ALIGN
+        return spec
+
+    def layer(self, value: torch.Tensor | Factorized) -> dict[str, Any]:
+        if isinstance(value, torch.Tensor):
+            return {"kind": "dense", "parts": {"data": self.add(value)}}
+        return {
+            "kind": "factorized",
+            "parts": {
+                "activation": self.add(value.activation),
+                "pre_activation_grad": self.add(value.pre_activation_grad),
+            },
+            "module_kwargs": value.module_kwargs,
+            "batch_first": bool(value.batch_first),
+        }
+
+    def record(self, record: GradientRecord) -> dict[str, Any]:
+        gradient = record.gradient
+        return {
+            "step": int(record.step),
+            "input_hash": _stored_hashes(record),
+            "sample_id_key": record.sample_id_key,
+            "representation": dict(gradient.representation),
+            "layer_types": dict(gradient.layer_types),
+            "indexing": {name: gradient.indexing.get(name, "batch") for name in gradient.data},
+            "layers": {name: self.layer(value) for name, value in gradient.data.items()},
+        }
+
+    def write(self, fh: Any) -> None:
+        position = 0
+        for offset, tensor in self.parts:
+            fh.write(b"\0" * (offset - position))
+            flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
+            if flat.numel():
+                fh.write(flat.view(torch.uint8).numpy())
+            position = offset + flat.numel() * flat.element_size()
+        fh.write(b"\0" * (self.size - position))
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """Raw bytes of a CPU tensor as a ``uint8`` array (no copy when already contiguous)."""
-    flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy()
+def _mmap_files(handle: Path) -> tuple[Path, Path]:
+    """``(<handle>.bin, <handle>.meta)`` of a memmap group handle ``<base>.mmap``."""
+    return handle.with_name(handle.name + _BIN), handle.with_name(handle.name + _META)
 
 
-def _write_memmap(fh: Any, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for desc, tensor in zip(header["tensors"], tensors):
-        desc["offset"] = offset
-        desc["nbytes"] = tensor.numel() * tensor.element_size()
-        offset = _align(offset + desc["nbytes"])
-    header["data_nbytes"] = offset
-    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    data_start = _align(_PREAMBLE + len(header_bytes))
-    fh.write(_MAGIC)
-    fh.write(len(header_bytes).to_bytes(8, "little"))
-    fh.write(header_bytes)
-    position = _PREAMBLE + len(header_bytes)
-    for desc, tensor in zip(header["tensors"], tensors):
-        target = data_start + desc["offset"]
-        fh.write(b"\0" * (target - position))
-        if desc["nbytes"]:
-            fh.write(_tensor_bytes(tensor))
-        position = target + desc["nbytes"]
-    fh.write(b"\0" * (data_start + offset - position))
+def _primary_file(handle: Path) -> Path:
+    """The file whose exclusive creation claims a group handle."""
+    return _mmap_files(handle)[0] if handle.name.endswith(MMAP_SUFFIX) else handle
 
 
-def write_group_file(path: Path, records: Sequence[GradientRecord], disk_format: str) -> Path:
-    """Write ``records`` as one group file atomically; returns the path actually written.
+def _write_group_at(handle: Path, records: Sequence[GradientRecord]) -> None:
+    """Write ``records`` at ``handle`` (format from its suffix), each file atomically."""
+    if not handle.name.endswith(MMAP_SUFFIX):
+        atomic_torch_save(list(records), handle)
+        return
+    layout = _BinLayout()
+    meta = {"format": FORMAT_VERSION, "records": [layout.record(r) for r in records]}
+    bin_path, meta_path = _mmap_files(handle)
+    atomic_write(bin_path, layout.write)
+    atomic_torch_save(meta, meta_path)
 
-    The suffix of ``path`` is replaced by the format's (``.mmap`` / ``.pt``):
-    a memmap group whose payloads are not all tensors / `Factorized` with
-    JSON-able ``module_kwargs`` is written with pickle.
+
+def write_group_file(
+    base: str | os.PathLike, records: Sequence[GradientRecord], disk_format: str
+) -> Path:
+    """Write ``records`` as one group at ``base`` + its suffix; returns the handle path.
+
+    The suffix is ``.mmap`` (files ``.mmap.bin`` + ``.mmap.meta``) for a memmap
+    group and ``.pt`` for a pickle group (``disk_format="pickle"``, or a payload
+    that is neither a tensor nor a `Factorized`). An existing group at that
+    handle is replaced.
     """
-    header, tensors, objects = _encode_group(records, disk_format)
-    path = Path(path).with_suffix(_SUFFIX[header["format"]])
-    if header["format"] == "memmap":
-        atomic_write(path, lambda fh: _write_memmap(fh, header, tensors))
-    else:
-        payload = {"header": header, "tensors": tensors, "objects": objects}
-        atomic_write(path, lambda fh: torch.save(payload, fh))
-    return path
+    base = Path(base)
+    handle = base.with_name(base.name + _group_suffix(records, disk_format))
+    _write_group_at(handle, records)
+    return handle
 
 
-def _check_version(header: Mapping[str, Any], path: Path) -> None:
-    found = header.get("format_version")
+def _part_view(buffer: torch.Tensor | None, spec: Mapping[str, Any], path: Path) -> torch.Tensor:
+    """One tensor part of a memmap group (a copy-on-write view of the mapped bytes)."""
+    dtype = _parse_dtype(spec["dtype"], path)
+    shape = list(spec["shape"])
+    offset, nbytes = int(spec["byte_off"]), int(spec["nbytes"])
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = buffer[offset : offset + nbytes]
+    if offset % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).reshape(shape)
+
+
+def _decode_layer(
+    layer: Mapping[str, Any], buffer: torch.Tensor | None, path: Path
+) -> torch.Tensor | Factorized:
+    parts = layer["parts"]
+    if layer["kind"] == "dense":
+        return _part_view(buffer, parts["data"], path)
+    if layer["kind"] != "factorized":
+        raise ValueError(f"gradient group {path}: unknown layer kind {layer['kind']!r}.")
+    return Factorized(
+        _part_view(buffer, parts["activation"], path),
+        _part_view(buffer, parts["pre_activation_grad"], path),
+        module_kwargs=layer.get("module_kwargs"),
+        batch_first=layer.get("batch_first", True),
+    )
+
+
+def _decode_record(
+    entry: Mapping[str, Any], buffer: torch.Tensor | None, path: Path
+) -> GradientRecord:
+    layers = entry["layers"]
+    gradient = Gradient(
+        representation=dict(entry["representation"]),
+        data={name: _decode_layer(layer, buffer, path) for name, layer in layers.items()},
+        layer_types=dict(entry["layer_types"]),
+        indexing=dict(entry.get("indexing") or {}),
+        validate_on_init=False,
+    )
+    return GradientRecord(
+        step=entry["step"],
+        input_hash=entry["input_hash"],
+        gradient=gradient,
+        sample_id_key=entry.get("sample_id_key"),
+    )
+
+
+def _part_specs(meta: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
+    for entry in meta["records"]:
+        for layer in entry["layers"].values():
+            yield from layer["parts"].values()
+
+
+def _read_memmap(handle: Path) -> list[GradientRecord]:
+    bin_path, meta_path = _mmap_files(handle)
+    meta = _safe_torch_load(meta_path)
+    found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
     if found != FORMAT_VERSION:
         raise ValueError(
-            f"gradient store file {path} was written with store format version {found!r}, "
-            f"but this dattri_llm reads version {FORMAT_VERSION}; re-create the store with "
-            f"this library version."
+            f"gradient group {meta_path} has format {found!r}, but this dattri_llm reads memmap "
+            f"groups of format {FORMAT_VERSION}; re-create the store with this library version."
         )
-
-
-def _memmap_view(buffer: np.ndarray | None, desc: dict[str, Any], path: Path) -> torch.Tensor:
-    dtype = _parse_dtype(desc["dtype"], path)
-    shape = desc["shape"]
-    if desc["nbytes"] == 0:
-        return torch.empty(shape, dtype=dtype)
-    raw = buffer[desc["offset"] : desc["offset"] + desc["nbytes"]]
-    return torch.from_numpy(raw).view(dtype).reshape(shape)
-
-
-def _read_memmap(path: Path) -> list[GradientRecord]:
-    with open(path, "rb") as fh:
-        fh.seek(len(_MAGIC))
-        header_len = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(header_len).decode("utf-8"))
-    _check_version(header, path)
-    data_start = _align(_PREAMBLE + header_len)
-    data_nbytes = header["data_nbytes"]
-    if os.path.getsize(path) < data_start + data_nbytes:
+    size = os.path.getsize(bin_path)
+    needed = max((int(s["byte_off"]) + int(s["nbytes"]) for s in _part_specs(meta)), default=0)
+    if size < needed:
         raise ValueError(
-            f"gradient group {path} is truncated: its header describes "
-            f"{data_start + data_nbytes} bytes but the file has {os.path.getsize(path)}."
+            f"gradient group {bin_path} is truncated: {meta_path.name} describes {needed} bytes "
+            f"but the file has {size}."
         )
-    buffer = None
-    if data_nbytes:
-        buffer = np.memmap(path, dtype=np.uint8, mode="c", offset=data_start, shape=(data_nbytes,))
-    tensors = [_memmap_view(buffer, desc, path) for desc in header["tensors"]]
-    return _decode_group(header, tensors, [])
+    buffer = (
+        torch.from_file(str(bin_path), shared=False, size=size, dtype=torch.uint8) if size else None
+    )
+    return [_decode_record(entry, buffer, handle) for entry in meta["records"]]
 
 
 def _read_pickle(path: Path) -> list[GradientRecord]:
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    header, tensors = payload["header"], payload["tensors"]
-    _check_version(header, path)
-    if len(tensors) != len(header["tensors"]):
-        raise ValueError(
-            f"gradient group {path}: header describes {len(header['tensors'])} tensors but "
-            f"the file holds {len(tensors)}."
-        )
-    for desc, tensor in zip(header["tensors"], tensors):
-        if _dtype_name(tensor.dtype) != desc["dtype"] or list(tensor.shape) != desc["shape"]:
+    loaded = _safe_torch_load(path)
+    records = loaded if isinstance(loaded, list) else [loaded]
+    for position, record in enumerate(records):
+        if not isinstance(record, GradientRecord):
             raise ValueError(
-                f"gradient group {path}: layer {desc['layer']!r} ({desc['role']}) of record "
-                f"{desc['record']} is {_dtype_name(tensor.dtype)} {list(tensor.shape)} but the "
-                f"header says {desc['dtype']} {desc['shape']}; the file is corrupt."
+                f"gradient group {path}: item {position} is a {type(record).__name__}, not a "
+                f"GradientRecord; the file is not a gradient group."
             )
-    return _decode_group(header, tensors, payload["objects"])
+    return records
 
 
-def load_group_file(path: str | Path) -> list[GradientRecord]:
-    """All records of one group file (memmap or pickle, detected from the file's magic)."""
+def load_group_file(path: str | os.PathLike) -> list[GradientRecord]:
+    """All records of one group given its handle path (``<base>.mmap`` or a pickle file)."""
     path = Path(path)
-    with open(path, "rb") as fh:
-        magic = fh.read(len(_MAGIC))
-    return _read_memmap(path) if magic == _MAGIC else _read_pickle(path)
+    return _read_memmap(path) if path.name.endswith(MMAP_SUFFIX) else _read_pickle(path)
 
 
 # --------------------------------------------------------------------------- index files
-
-
-def _natural_key(location: str) -> tuple:
-    """Sort key ordering ``group_2`` before ``group_10`` and root groups before ``rank_*``."""
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", location))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -381,42 +358,90 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.load(fh)
 
 
+def _write_json(path: Path, value: Any) -> None:
+    data = json.dumps(value, indent=1).encode("utf-8")
+    atomic_write(path, lambda fh: fh.write(data))
+
+
 def _read_log(path: Path) -> list[dict[str, Any]]:
-    """Complete lines of an index log; an unterminated last line is dropped with a warning."""
-    text = path.read_bytes().decode("utf-8", errors="replace")
-    lines = text.split("\n")
-    tail = lines.pop()
-    if tail:
-        warnings.warn(
-            f"gradient store index {path}: ignoring a truncated last line (an interrupted "
-            f"write); the group it described is not indexed, earlier records are intact.",
-            UserWarning,
-            stacklevel=3,
-        )
+    """Decoded lines of an index log, up to the first line that does not decode.
+
+    Blank lines are skipped; an undecodable line (a truncated last line from an
+    interrupted write) stops the reading of this log with a `UserWarning`.
+    """
     entries = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(path.read_bytes().split(b"\n"), start=1):
         if not line.strip():
             continue
         try:
             entries.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"gradient store index {path}: line {number} is not valid JSON ({err}); the "
-                f"index is corrupt."
-            ) from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            warnings.warn(
+                f"gradient store index {path}: ignoring line {number} and anything after it "
+                f"(a truncated last line from an interrupted write, or a corrupt index); the "
+                f"groups it described are not indexed, earlier records are intact.",
+                UserWarning,
+                stacklevel=4,
+            )
+            break
     return entries
 
 
-def _truncate_partial_tail(path: Path) -> None:
-    """Cut an unterminated last line off a log before appending to it."""
+def _repair_log_tail(path: Path) -> None:
+    """Before appending: terminate a complete last line, cut an unterminated partial one."""
     if not path.exists():
         return
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
+    if not data or data.endswith(b"\n"):
+        return
+    start = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[start:])
+    except (json.JSONDecodeError, UnicodeDecodeError):
         with open(path, "r+b") as fh:
-            fh.truncate(data.rfind(b"\n") + 1)
+            fh.truncate(start)
             fh.flush()
             os.fsync(fh.fileno())
+        return
+    with open(path, "ab") as fh:
+        fh.write(b"\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _append_log_line(path: Path, line: Mapping[str, Any]) -> None:
+    """Append one compact JSON line in a single write, flushed and fsynced."""
+    data = (json.dumps(line, separators=(",", ":")) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _next_batch_number(directory: Path) -> int:
+    """1 + the highest ``batch_<digits>.*`` id in ``directory`` (0 when there is none)."""
+    numbers = [int(m.group(1)) for p in directory.iterdir() if (m := _BATCH_RE.match(p.name))]
+    return max(numbers, default=-1) + 1
+
+
+def _claim_exclusively(path: Path) -> bool:
+    """Create ``path`` empty unless it exists (atomic: one of several claimants wins)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def _file_safe_identifier(identifier: str) -> str:
+    """``identifier`` usable inside a file name: characters other than ``[A-Za-z0-9_.-]`` are
+    percent-escaped (as UTF-8 bytes), so distinct identifiers give distinct names."""
+    return _UNSAFE_NAME_CHAR.sub(
+        lambda m: "".join(f"%{b:02X}" for b in m.group(0).encode("utf-8")), identifier
+    )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -432,8 +457,8 @@ def _stringify_identifier(value: object) -> str:
 
 
 def _record_identifiers(record: GradientRecord) -> list[str]:
-    hashes = record.input_hash
-    return [str(hashes)] if isinstance(hashes, str) else [str(h) for h in hashes]
+    hashes = _stored_hashes(record)
+    return [hashes] if isinstance(hashes, str) else hashes
 
 
 def _gradient_nbytes(records: Sequence[GradientRecord]) -> int:
@@ -459,25 +484,54 @@ def _shallow_copy(record: GradientRecord) -> GradientRecord:
     )
 
 
-def _next_group_number(directory: Path) -> int:
-    numbers = [int(m.group(1)) for p in directory.iterdir() if (m := _GROUP_RE.match(p.name))]
-    return max(numbers, default=-1) + 1
+def _keep_rows(record: GradientRecord, rows: list[int]) -> GradientRecord:
+    """``record`` restricted to the samples at ``rows`` (its other rows were re-saved later)."""
+    hashes = list(record.input_hash)
+    return GradientRecord(
+        step=record.step,
+        input_hash=[hashes[k] for k in rows],
+        gradient=record.gradient.slice("batch", rows),
+        sample_id_key=record.sample_id_key,
+    )
+
+
+def _natural_key(text: str) -> tuple:
+    """Sort key ordering ``batch_2`` before ``batch_10``."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", text))
+
+
+@dataclass
+class _GroupInfo:
+    """Per record of a group: its step, identifiers and the rows still indexed (live)."""
+
+    steps: list[int]
+    identifiers: list[list[str]]
+    live: list[set[int]] = field(default_factory=list)
+
+
+class _RamGroup(NamedTuple):
+    """A RAM-resident group: its save sequence number and records."""
+
+    seq: int
+    records: list[GradientRecord]
+
+
+def _ram_group_nbytes(group: _RamGroup) -> int:
+    return _gradient_nbytes(group.records)
 
 
 # --------------------------------------------------------------------------- projection record
 
 
-def _projector_name(projector: Any) -> str | None:
-    """``module.qualname`` of a projection factory; ``None`` for the default factory."""
-    from dattri_llm.gradient.ops.projection import DattriProjector
+def _projector_name(projector: Any) -> str:
+    """``module.qualname`` of the projection factory in use (the default one resolved)."""
+    factory = DattriProjector.coerce(projector).factory
+    named = factory if hasattr(factory, "__qualname__") else type(factory)
+    return f"{named.__module__}.{named.__qualname__}"
 
-    if isinstance(projector, DattriProjector):
-        projector = projector.factory
-    if projector is None:
-        return None
-    named = projector if hasattr(projector, "__qualname__") else type(projector)
-    name = f"{named.__module__}.{named.__qualname__}"
-    return None if name in _DEFAULT_FACTORIES else name
+
+class _NotJSONable(Exception):
+    """A value that a JSON record cannot describe."""
 
 
 def _json_scalar(value: Any) -> Any:
@@ -489,7 +543,7 @@ def _json_scalar(value: Any) -> Any:
     raise _NotJSONable
 
 
-def _resolve_layer_projection(proj_kwargs: Mapping[str, Any], projector: str | None) -> dict:
+def _resolve_layer_projection(proj_kwargs: Mapping[str, Any], projector: Any) -> dict:
     """One layer's settings with the defaults filled in; ``device`` and non-JSON values dropped."""
     entry: dict[str, Any] = dict(_DEFAULT_PROJECTION)
     for key, value in proj_kwargs.items():
@@ -499,10 +553,10 @@ def _resolve_layer_projection(proj_kwargs: Mapping[str, Any], projector: str | N
         except _NotJSONable:
             continue
     if entry["style"] != "mask":  # masks gather exact entries: no projector involved
-        if projector is not None:
-            entry["projector"] = projector
         if "projector" not in entry:
-            entry.setdefault("proj_type", "normal")  # the default factory's default
+            entry["projector"] = _projector_name(projector)
+        if entry["projector"] in _DEFAULT_FACTORIES:
+            entry.setdefault("proj_type", "normal")  # both built-in factories' default
     return entry
 
 
@@ -515,22 +569,23 @@ def projection_record(
         projection_kwargs: ``{layer name or "__default__": proj_kwargs}`` (see
             ``HookManagerConfig``); ``None`` = unprojected.
         projector: the capture's projection factory (a callable, a
-            ``DattriProjector`` or ``None`` = the default factory).
+            ``DattriProjector`` or ``None`` = the default factory, resolved to
+            the one actually in use: dattri's ``random_project`` when dattri is
+            installed, else the built-in one).
 
     Returns:
         ``{name or "__default__": settings}``; each entry has ``style``,
         ``proj_seed`` and ``include_bias`` filled with their defaults, the
         other JSON-able keys verbatim (``device`` dropped), and for projected
-        (non-``"mask"``) styles either ``"projector"`` (the factory's
-        ``module.qualname`` when it is not the default factory) or
-        ``proj_type`` (default ``"normal"``). ``{}`` for an unprojected capture.
-        Resolving a record again returns it unchanged.
+        (non-``"mask"``) styles ``"projector"``, the ``module.qualname`` of the
+        factory that made the matrices (plus ``proj_type``, default
+        ``"normal"``, for the two built-in factories). ``{}`` for an
+        unprojected capture. Resolving a record again returns it unchanged.
     """
     if not projection_kwargs:
         return {}
-    name = _projector_name(projector)
     return {
-        str(layer): _resolve_layer_projection(proj_kwargs, name)
+        str(layer): _resolve_layer_projection(proj_kwargs, projector)
         for layer, proj_kwargs in projection_kwargs.items()
     }
 
@@ -547,16 +602,19 @@ class GradientStorageManager:
         residency: ``"disk"`` (persistent, re-openable; per-rank indexes
             merged), ``"memory"`` (RAM only, `MemoryError` when a group exceeds
             ``budget_bytes``) or ``"tiered"`` (RAM up to ``budget_bytes``,
-            default half the available host RAM, oldest groups spilled to a
-            temporary subdirectory of ``save_dir`` removed by `close`).
+            default `TIERED_BUDGET_FRACTION` of the total host RAM, oldest
+            groups spilled to ``save_dir/tiered_spill_*``, removed by `close`).
         budget_bytes: RAM budget of ``"memory"`` / ``"tiered"`` stores (ignored
             for ``"disk"``).
-        disk_format: ``"memmap"`` (raw bytes + JSON header, read back as
-            copy-on-write memory maps) or ``"pickle"`` (``torch.save``; only
-            open trusted directories).
+        disk_format: ``"memmap"`` (raw bytes + metadata, read back as
+            copy-on-write memory maps) or ``"pickle"`` (``torch.save`` of the
+            record list, read back with ``weights_only=True``).
 
-    The manager does not decide *when* to save (see `OffloadCallback`). It is
-    not thread-safe; a single `AsyncGradientWriter` thread may own it while open.
+    Saving a (step, identifier) pair that is already indexed replaces the
+    earlier occurrence (also one saved by an earlier run into the directory),
+    so re-running a capture never doubles a score. The manager does not decide
+    *when* to save (see `OffloadCallback`). It is not thread-safe; a single
+    `AsyncGradientWriter` thread may own it while open.
     """
 
     def __init__(
@@ -569,13 +627,13 @@ class GradientStorageManager:
     ) -> None:
         if residency not in CACHE_RESIDENCIES:
             raise ValueError(
-                f"GradientStorageManager: unknown residency {residency!r}; expected one of "
-                f"{CACHE_RESIDENCIES}."
+                f"GradientStorageManager: unknown residency {residency!r}; it must be one of "
+                f"{list(CACHE_RESIDENCIES)}."
             )
         if disk_format not in DISK_FORMATS:
             raise ValueError(
-                f"GradientStorageManager: unknown disk_format {disk_format!r}; expected one of "
-                f"{DISK_FORMATS}."
+                f"GradientStorageManager: unknown disk_format {disk_format!r}; it must be one of "
+                f"{list(DISK_FORMATS)}."
             )
         if budget_bytes is not None and (
             isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0
@@ -591,21 +649,25 @@ class GradientStorageManager:
                 f"directory; pass a directory path (it is created on the first save)."
             )
         if residency == "tiered" and budget_bytes is None:
-            budget_bytes = available_host_bytes() // 2
+            budget_bytes = int(_total_host_bytes() * TIERED_BUDGET_FRACTION)
         self._residency = residency
         self._disk_format = disk_format
         self._budget_bytes = budget_bytes
         self._index: dict[str, list[dict[str, Any]]] = {}
-        self._groups: dict[str, list[int]] = {}  # location -> step of each record
+        self._groups: dict[str, _GroupInfo] = {}
         self._sample_id_key: str | int | None = None
         self._id_scheme_fixed = False
         self._accumulation_steps: int | None = None
         self._projection: dict[str, dict] | None = None
         self._write_dir: Path | None = None
         self._write_prefix = ""
-        self._next_group = 0
-        self._written_settings: dict[str, Any] | None = None
+        self._next_batch = 0
+        self._next_seq = 0
+        self._written_meta: dict[str, Any] | None = None
+        self._written_projection: dict[str, dict] | None = None
         self._cache: TensorCache | None = None
+        self._cache_keys: dict[str, str] = {}  # location of a RAM group -> its cache key
+        self._ram_locations: dict[str, str] = {}  # cache key -> location
         self._closed = False
         self._created_root = False
         if residency == "disk":
@@ -616,8 +678,9 @@ class GradientStorageManager:
                 budget=budget_bytes,
                 spill_dir=self._make_spill_dir,
                 writer=self._spill_writer,
-                reader=load_group_file,
-                nbytes_fn=_gradient_nbytes,
+                reader=self._spill_reader,
+                on_spill=self._on_spill,
+                nbytes_fn=_ram_group_nbytes,
             )
             self._finalizer = weakref.finalize(self, self._cache.close)
 
@@ -662,7 +725,7 @@ class GradientStorageManager:
         """Declared capture projection ``{name or "__default__": settings}``.
 
         Resolved by `projection_record`; ``{}`` = declared unprojected, ``None``
-        = never declared (unknown).
+        = never declared (unknown, e.g. a store written by the reference design).
         """
         return self._projection
 
@@ -707,7 +770,7 @@ class GradientStorageManager:
             f"identifiers={len(self._index)})"
         )
 
-    # ----------------------------------------------------------------- writing
+    # ----------------------------------------------------------------- declarations
     def declare_gradient_accumulation_steps(self, n: int) -> None:
         """Record the accumulation window the stored records were merged over.
 
@@ -726,7 +789,7 @@ class GradientStorageManager:
                 f"Use a fresh directory or the store's convention."
             )
         self._accumulation_steps = n
-        self._write_settings()
+        self._write_sidecars()
 
     def declare_projection(
         self, projection: Mapping[str, Mapping[str, Any]] | None, projector: Any = None
@@ -735,9 +798,9 @@ class GradientStorageManager:
 
         ``projection`` is a ``projection_kwargs`` dict; it is stored resolved
         by `projection_record` (with ``projector``, the capture's projection
-        factory) in the sidecar of a ``"disk"`` store and in memory otherwise.
-        A record differing from an earlier declaration (or the on-disk value)
-        → `ValueError`; the same record again is a no-op.
+        factory) in ``projection.json`` of a ``"disk"`` store and in memory
+        otherwise. A record differing from an earlier declaration (or the
+        on-disk value) → `ValueError`; the same record again is a no-op.
         """
         record = projection_record(projection, projector)
         if self._projection is not None and self._projection != record:
@@ -747,12 +810,15 @@ class GradientStorageManager:
                 f"projection_kwargs (and projector) or use a fresh directory."
             )
         self._projection = record
-        self._write_settings()
+        self._write_sidecars()
 
+    # ----------------------------------------------------------------- writing
     def save(self, record: GradientRecord) -> str:
         """Save one single-identifier record as its own group; returns its location.
 
-        A record whose ``input_hash`` is a list → `TypeError` (use `save_bulk`).
+        On disk the group is named ``step_<step:06d>_<identifier>`` (so saving
+        the same pair again replaces the file). A record whose ``input_hash``
+        is a list → `TypeError` (use `save_bulk`).
         """
         if not isinstance(record, GradientRecord):
             raise TypeError(f"save expects a GradientRecord, got {type(record).__name__}.")
@@ -761,27 +827,33 @@ class GradientStorageManager:
                 f"save: {record!r} has a list of {len(record.input_hash)} identifiers (a "
                 f"per-batch record); use save_bulk([record]) instead."
             )
-        return self.save_bulk([record])
+        base = f"step_{int(record.step):06d}_{_file_safe_identifier(record.input_hash)}"
+        return self._save_group([record], base)
 
     def save_bulk(self, records: Sequence[GradientRecord]) -> str:
         """Save ``records`` as one group (payloads moved to CPU) and index every identifier.
 
-        Returns the group's location: a path relative to ``save_dir`` (disk) or
-        an opaque ``mem_XXXXXXXX`` key (RAM). A list ``input_hash`` whose length
-        differs from the gradient's batch size, or a ``sample_id_key`` that
-        differs from the store's → `ValueError`; for a ``"memory"`` store a group
-        beyond ``budget_bytes`` → `MemoryError` (nothing indexed).
+        Returns the group's location: a path relative to ``save_dir`` (disk,
+        ``[rank_<r>/]batch_<NNNNNN>.<mmap|pt>``) or an opaque ``mem_XXXXXXXX``
+        key (RAM). A list ``input_hash`` whose length differs from the
+        gradient's batch size, or a ``sample_id_key`` that differs from the
+        store's → `ValueError` (checked before anything is written); a single
+        string identifier may hold a batch of any size (indexed once, at
+        ``sample_idx`` 0). For a ``"memory"`` store a group beyond
+        ``budget_bytes`` → `MemoryError` (nothing indexed).
         """
+        return self._save_group(list(records), None)
+
+    def _save_group(self, records: list[GradientRecord], base: str | None) -> str:
         self._check_open()
-        records = list(records)
         self._validate_records(records)
         key = records[0].sample_id_key
         if self._residency == "disk":
-            location = self._write_disk_group(records, key)
+            location = self._write_disk_group(records, key, base)
         else:
             location = self._write_ram_group(records)
         self._fix_id_scheme(key)
-        self._add_group(location, records)
+        self._add_group_entries(location, [(int(r.step), _record_identifiers(r)) for r in records])
         return location
 
     def _validate_records(self, records: list[GradientRecord]) -> None:
@@ -794,15 +866,14 @@ class GradientStorageManager:
                     f"GradientRecord."
                 )
             if isinstance(record.input_hash, str):
-                self._check_single_sample(record, position)
-            else:
-                batch = record.gradient.batch_size
-                if len(record.input_hash) != batch:
-                    raise ValueError(
-                        f"save_bulk: records[{position}] (step {record.step}) has "
-                        f"{len(record.input_hash)} identifiers but its gradient has batch size "
-                        f"{batch}; pass one identifier per sample in batch order."
-                    )
+                continue  # one identifier for the whole batch: indexed once, read back whole
+            batch = record.gradient.batch_size
+            if len(record.input_hash) != batch:
+                raise ValueError(
+                    f"save_bulk: records[{position}] (step {record.step}) has "
+                    f"{len(record.input_hash)} identifiers but its gradient has batch size "
+                    f"{batch}; pass one identifier per sample in batch order."
+                )
         keys = {record.sample_id_key for record in records}
         if len(keys) > 1:
             raise ValueError(
@@ -817,55 +888,61 @@ class GradientStorageManager:
                 f"scheme per store (or another directory)."
             )
 
-    @staticmethod
-    def _check_single_sample(record: GradientRecord, position: int) -> None:
-        """``ValueError`` unless a single-identifier record holds one sample (batch size 1)."""
-        try:
-            batch = record.gradient.batch_size
-        except ValueError:  # only batch-level param_grad layers: no sample axis to check
-            return
-        if batch != 1:
-            raise ValueError(
-                f"save_bulk: records[{position}] (step {record.step}) has the single identifier "
-                f"{record.input_hash!r} but its gradient has batch size {batch}; pass a list "
-                f"with one identifier per sample in batch order."
-            )
-
     def _fix_id_scheme(self, key: str | int | None) -> None:
         if not self._id_scheme_fixed:
-            self._sample_id_key = key
-            self._id_scheme_fixed = True
-            self._write_settings()
+            self._sample_id_key, self._id_scheme_fixed = key, True
+            self._write_sidecars()
 
-    def _write_disk_group(self, records: list[GradientRecord], key: str | int | None) -> str:
+    def _write_disk_group(
+        self, records: list[GradientRecord], key: str | int | None, base: str | None
+    ) -> str:
         write_dir = self._resolve_write_dir()
         if not self._id_scheme_fixed:
             self._sample_id_key, self._id_scheme_fixed = key, True
-        self._write_settings()  # sidecar before the first log line
-        path = write_group_file(self._claim_group_path(write_dir), records, self._disk_format)
-        line = {
-            "file": path.name,
-            "records": [
-                {"idx": i, "step": int(r.step), "ids": _record_identifiers(r)}
-                for i, r in enumerate(records)
-            ],
-        }
-        with open(write_dir / INDEX_FILE, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(line, separators=(",", ":")) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        return self._write_prefix + path.name
+        self._write_sidecars()  # sidecars before the first log line
+        suffix = _group_suffix(records, self._disk_format)
+        if base is None:
+            handle = self._claim_batch_handle(write_dir, suffix)
+        else:
+            handle = write_dir / (base + suffix)
+        try:
+            _write_group_at(handle, records)
+        except BaseException:
+            if base is None:
+                for path in (_primary_file(handle), *_mmap_files(handle)):
+                    path.unlink(missing_ok=True)
+            raise
+        location = self._write_prefix + handle.name
+        _append_log_line(
+            write_dir / INDEX_FILE,
+            {
+                "file": location,
+                "records": [
+                    {"idx": i, "step": int(r.step), "hashes": _record_identifiers(r)}
+                    for i, r in enumerate(records)
+                ],
+            },
+        )
+        return location
 
-    def _claim_group_path(self, write_dir: Path) -> Path:
-        """Next unused ``group_<n>`` path (skipping files another manager of this dir wrote)."""
+    def _claim_batch_handle(self, write_dir: Path, suffix: str) -> Path:
+        """Next ``batch_<NNNNNN>`` handle, its primary file created exclusively.
+
+        Numbers another writer of the directory has taken meanwhile are skipped.
+        """
         while True:
-            name = f"group_{self._next_group:08d}"
-            self._next_group += 1
-            if not any((write_dir / (name + suffix)).exists() for suffix in _SUFFIX.values()):
-                return write_dir / name
+            base = f"batch_{self._next_batch:06d}"
+            self._next_batch += 1
+            if any((write_dir / (base + ext)).exists() for ext in _GROUP_FILE_SUFFIXES):
+                continue
+            handle = write_dir / (base + suffix)
+            if _claim_exclusively(_primary_file(handle)):
+                return handle
 
     def _write_ram_group(self, records: list[GradientRecord]) -> str:
-        location = f"mem_{self._next_group:08d}"
+        seq = self._next_seq
+        self._next_seq += 1
+        location = f"mem_{seq:08d}"
         stored = [
             GradientRecord(
                 step=int(r.step),
@@ -875,129 +952,210 @@ class GradientStorageManager:
             )
             for r in records
         ]
-        if not self._cache.put(location, stored):
+        self._cache_keys[location] = location
+        self._ram_locations[location] = location
+        if not self._cache.put(location, _RamGroup(seq, stored)):
+            del self._cache_keys[location], self._ram_locations[location]
             raise MemoryError(
                 f"gradient group of {_gradient_nbytes(stored)} bytes does not fit the memory "
                 f"store's budget ({self._budget_bytes} bytes, {self.resident_bytes} held); raise "
                 f"budget_bytes or use residency='tiered' / 'disk'."
             )
-        self._next_group += 1
+        location = self._ram_locations[location]  # a spill file if it went straight to disk
         return location
 
     def _resolve_write_dir(self) -> Path:
         """Per-rank write directory, created and prepared at the first save."""
         if self._write_dir is not None:
             return self._write_dir
-        from dattri_llm.utils.distributed import dist_rank
-
         rank = dist_rank()
         self._write_prefix = "" if rank is None else f"rank_{rank}/"
-        write_dir = self._save_dir / self._write_prefix if rank is not None else self._save_dir
+        write_dir = self._save_dir if rank is None else self._save_dir / f"rank_{rank}"
         write_dir.mkdir(parents=True, exist_ok=True)
-        _truncate_partial_tail(write_dir / INDEX_FILE)
-        self._next_group = _next_group_number(write_dir)
-        sidecar = write_dir / SIDECAR_FILE
-        self._written_settings = _read_json(sidecar) if sidecar.exists() else None
+        _repair_log_tail(write_dir / INDEX_FILE)
+        self._next_batch = _next_batch_number(write_dir)
+        has_log = (write_dir / INDEX_FILE).exists()
+        self._written_meta = self._read_sidecar(write_dir / SIDECAR_FILE, has_log)
+        self._written_projection = self._read_sidecar(write_dir / PROJECTION_FILE, has_log)
         self._write_dir = write_dir
         return write_dir
 
-    def _settings(self) -> dict[str, Any]:
-        settings: dict[str, Any] = {"format_version": FORMAT_VERSION}
-        if self._id_scheme_fixed:
-            settings["sample_id_key"] = self._sample_id_key
-        if self._accumulation_steps is not None:
-            settings["gradient_accumulation_steps"] = self._accumulation_steps
-        if self._projection is not None:
-            settings["projection"] = self._projection
-        return settings
+    @staticmethod
+    def _read_sidecar(path: Path, has_log: bool) -> dict[str, Any] | None:
+        return _read_json(path) if has_log and path.exists() else None
 
-    def _write_settings(self) -> None:
-        """Rewrite the sidecar atomically when the settings changed (disk, after the first save)."""
-        if self._write_dir is None:
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "sample_id_key": self._sample_id_key,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+        }
+
+    def _write_sidecars(self) -> None:
+        """Rewrite changed sidecars atomically (disk, once the identifier scheme is known)."""
+        if self._write_dir is None or not self._id_scheme_fixed:
             return
-        settings = self._settings()
-        if settings == self._written_settings:
-            return
-        data = json.dumps(settings, indent=1).encode("utf-8")
-        atomic_write(self._write_dir / SIDECAR_FILE, lambda fh: fh.write(data))
-        self._written_settings = settings
+        meta = self._meta()
+        if meta != self._written_meta:
+            _write_json(self._write_dir / SIDECAR_FILE, meta)
+            self._written_meta = meta
+        if self._projection is not None and self._projection != self._written_projection:
+            _write_json(self._write_dir / PROJECTION_FILE, self._projection)
+            self._written_projection = self._projection
 
-    def _add_group(self, location: str, records: Sequence[GradientRecord]) -> None:
-        self._add_group_entries(location, [(int(r.step), _record_identifiers(r)) for r in records])
-
+    # ----------------------------------------------------------------- index bookkeeping
     def _add_group_entries(self, location: str, described: list[tuple[int, list[str]]]) -> None:
-        self._groups[location] = [step for step, _ in described]
+        """Index a group; its (step, identifier) pairs replace earlier occurrences."""
+        if location in self._groups:  # the same handle written again (save of the same pair)
+            self._forget_group(location)
+        for step, identifiers in described:
+            for identifier in identifiers:
+                self._supersede(identifier, step)
+        info = _GroupInfo([step for step, _ in described], [ids for _, ids in described])
+        self._groups[location] = info
         for idx, (step, identifiers) in enumerate(described):
+            info.live.append(set(range(len(identifiers))))
             for sample_idx, identifier in enumerate(identifiers):
                 self._index.setdefault(identifier, []).append(
                     {"file": location, "idx": idx, "step": step, "sample_idx": sample_idx}
                 )
 
+    def _supersede(self, identifier: str, step: int) -> None:
+        """Drop the indexed occurrences of ``identifier`` at ``step`` (a newer save replaces it)."""
+        entries = self._index.get(identifier)
+        if not entries:
+            return
+        kept = [e for e in entries if e["step"] != step]
+        for entry in entries:
+            if entry["step"] == step:
+                self._drop_row(entry)
+        if kept:
+            self._index[identifier] = kept
+        else:
+            del self._index[identifier]
+
+    def _drop_row(self, entry: Mapping[str, Any]) -> None:
+        info = self._groups[entry["file"]]
+        info.live[entry["idx"]].discard(entry["sample_idx"])
+        if not any(info.live):
+            self._forget_group(entry["file"])
+
+    def _forget_group(self, location: str) -> None:
+        """Remove a group from the bookkeeping (and its entries from the index)."""
+        info = self._groups.pop(location)
+        for idx, identifiers in enumerate(info.identifiers):
+            for sample_idx in info.live[idx]:
+                identifier = identifiers[sample_idx]
+                kept = [
+                    e
+                    for e in self._index.get(identifier, [])
+                    if not (e["file"] == location and e["idx"] == idx)
+                ]
+                if kept:
+                    self._index[identifier] = kept
+                else:
+                    self._index.pop(identifier, None)
+        key = self._cache_keys.pop(location, None)
+        if key is not None:
+            del self._ram_locations[key]
+            self._cache.discard(key)
+
+    def _location_order(self, location: str) -> tuple:
+        """Store order: root groups, then ``rank_*`` ones (disk); save order (RAM)."""
+        if self._cache is not None:
+            return (int(_RAM_SEQ_RE.match(location.rsplit("/", 1)[-1]).group(1)),)
+        return ("/" in location, _natural_key(location))
+
     # ----------------------------------------------------------------- opening
-    def _store_dirs(self) -> list[tuple[Path, str]]:
-        """Root and every ``rank_<r>`` directory (ascending rank) with their location prefix."""
+    def _store_dirs(self) -> list[Path]:
+        """The root, then every ``rank_*`` directory in sorted (lexicographic) order."""
         if not self._save_dir.is_dir():
             return []
-        ranks = sorted(
-            (int(m.group(1)), p)
-            for p in self._save_dir.iterdir()
-            if p.is_dir() and (m := _RANK_DIR_RE.match(p.name))
-        )
-        return [(self._save_dir, "")] + [(p, f"{p.name}/") for _, p in ranks]
+        return [self._save_dir] + sorted(p for p in self._save_dir.glob("rank_*") if p.is_dir())
 
     def _open_existing(self) -> None:
         """Merge the sidecars and index logs of the root and every rank directory."""
-        for directory, prefix in self._store_dirs():
-            sidecar, log = directory / SIDECAR_FILE, directory / INDEX_FILE
-            if sidecar.exists():
-                self._merge_settings(_read_json(sidecar), sidecar)
-            elif log.exists():
+        for directory in self._store_dirs():
+            log = directory / INDEX_FILE
+            if not log.exists():
+                continue
+            sidecar = directory / SIDECAR_FILE
+            if not sidecar.exists():
                 raise ValueError(
-                    f"gradient store {directory} has an index ({log.name}) but no "
-                    f"{SIDECAR_FILE}; it was not written by this library."
+                    f"gradient store {directory} has an index ({INDEX_FILE}) but no "
+                    f"{SIDECAR_FILE}; it is not a complete gradient store."
                 )
-            if log.exists():
-                for line in _read_log(log):
-                    described = [(int(r["step"]), list(r["ids"])) for r in line["records"]]
-                    self._add_group_entries(prefix + line["file"], described)
+            self._merge_meta(_read_json(sidecar), sidecar)
+            projection = directory / PROJECTION_FILE
+            if projection.exists():
+                self._merge_projection(_read_json(projection), projection)
+            for line in _read_log(log):
+                described = [
+                    (int(r["step"]), [str(h) for h in r["hashes"]]) for r in line["records"]
+                ]
+                self._add_group_entries(line["file"], described)
 
-    def _merge_settings(self, settings: dict[str, Any], path: Path) -> None:
-        _check_version(settings, path)
-        if "sample_id_key" in settings:
-            key = settings["sample_id_key"]
-            if self._id_scheme_fixed and key != self._sample_id_key:
-                raise ValueError(
-                    f"gradient store {self._save_dir}: {path} uses sample_id_key={key!r} but "
-                    f"another part of the store uses {self._sample_id_key!r}."
-                )
-            self._sample_id_key, self._id_scheme_fixed = key, True
-        if "gradient_accumulation_steps" in settings:
-            n = settings["gradient_accumulation_steps"]
-            if self._accumulation_steps is not None and n != self._accumulation_steps:
-                raise ValueError(
-                    f"gradient store {self._save_dir}: {path} declares "
-                    f"gradient_accumulation_steps={n} but another part of the store declares "
-                    f"{self._accumulation_steps}."
-                )
-            self._accumulation_steps = n
-        if "projection" in settings:
-            record = settings["projection"]
-            if self._projection is not None and record != self._projection:
-                raise ValueError(
-                    f"gradient store {self._save_dir}: {path} declares projection {record} but "
-                    f"another part of the store declares {self._projection}."
-                )
-            self._projection = record
+    def _merge_meta(self, meta: dict[str, Any], path: Path) -> None:
+        if "sample_id_key" not in meta:
+            raise ValueError(
+                f"gradient store settings {path} lack the required key 'sample_id_key'; the "
+                f"file is corrupt."
+            )
+        key = meta["sample_id_key"]
+        if self._id_scheme_fixed and key != self._sample_id_key:
+            raise ValueError(
+                f"gradient store {self._save_dir}: {path} uses sample_id_key={key!r} but "
+                f"another part of the store uses {self._sample_id_key!r}."
+            )
+        self._sample_id_key, self._id_scheme_fixed = key, True
+        n = meta.get("gradient_accumulation_steps", 1)
+        if self._accumulation_steps is not None and n != self._accumulation_steps:
+            raise ValueError(
+                f"gradient store {self._save_dir}: {path} declares gradient_accumulation_steps="
+                f"{n} but another part of the store declares {self._accumulation_steps}."
+            )
+        self._accumulation_steps = n
+
+    def _merge_projection(self, record: dict[str, dict], path: Path) -> None:
+        if self._projection is not None and record != self._projection:
+            raise ValueError(
+                f"gradient store {self._save_dir}: {path} declares projection {record} but "
+                f"another part of the store declares {self._projection}."
+            )
+        self._projection = record
 
     # ----------------------------------------------------------------- RAM residency
     def _make_spill_dir(self) -> Path:
         if not self._save_dir.exists():
             self._created_root = True
         self._save_dir.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=".spill_", dir=self._save_dir))
+        return Path(tempfile.mkdtemp(prefix="tiered_spill_", dir=self._save_dir))
 
-    def _spill_writer(self, path: Path, records: list[GradientRecord]) -> Path:
-        return write_group_file(path, records, self._disk_format)
+    def _spill_writer(self, path: Path, group: _RamGroup) -> Path:
+        """Write a spilled group as ``entry_<seq>`` in the store's disk format."""
+        return write_group_file(
+            path.parent / f"entry_{group.seq:08d}", group.records, self._disk_format
+        )
+
+    @staticmethod
+    def _spill_reader(path: Path) -> _RamGroup:
+        seq = int(_RAM_SEQ_RE.match(path.name).group(1))
+        return _RamGroup(seq, load_group_file(path))
+
+    def _on_spill(self, key: str, path: Path) -> None:
+        """Re-point a spilled group's location and index entries at its spill file."""
+        old = self._ram_locations[key]
+        new = Path(path).relative_to(self._save_dir).as_posix()
+        self._ram_locations[key] = new
+        self._cache_keys[new] = self._cache_keys.pop(old)
+        info = self._groups.pop(old, None)
+        if info is None:  # a new group that went straight to disk: indexed by the caller
+            return
+        self._groups[new] = info
+        for identifier in {i for ids in info.identifiers for i in ids}:
+            for entry in self._index.get(identifier, []):
+                if entry["file"] == old:
+                    entry["file"] = new
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1011,8 +1169,6 @@ class GradientStorageManager:
         """Identifier of one sample's inputs under the store's identifier scheme."""
         key = self._sample_id_key
         if key is None:
-            from dattri_llm.utils.hashing import hash_sample
-
             return hash_sample(inputs)
         if isinstance(key, int) and not isinstance(inputs, Mapping):
             if not isinstance(inputs, Sequence) or not -len(inputs) <= key < len(inputs):
@@ -1040,9 +1196,12 @@ class GradientStorageManager:
         identifier = _stringify_identifier(identifier)
         entries = self._index.get(identifier)
         if not entries:
+            examples = sorted(self._index)[:3]
             raise KeyError(
-                f"identifier {identifier!r} is not in gradient store {self._save_dir} "
-                f"({len(self._index)} identifiers indexed)."
+                f"identifier {identifier!r} not in index of gradient store {self._save_dir} "
+                f"({len(self._index)} identifiers indexed, e.g. {examples}; stored steps "
+                f"{self.available_steps()}). Check the identifier scheme (sample_id_key="
+                f"{self._sample_id_key!r})."
             )
         return entries
 
@@ -1066,12 +1225,13 @@ class GradientStorageManager:
         entries = self._occurrences(input_hash)
         for entry in entries:
             if entry["step"] == step and entry["sample_idx"] == sample_idx:
-                record = self.load_records(entry["file"])[entry["idx"]]
+                record = self._read_group(entry["file"])[entry["idx"]]
                 return record.gradient.slice("batch", sample_idx)
         available = sorted((e["step"], e["sample_idx"]) for e in entries)
         raise KeyError(
-            f"identifier {_stringify_identifier(input_hash)!r} has no occurrence at "
-            f"(step={step}, sample_idx={sample_idx}); available (step, sample_idx): {available}."
+            f"identifier {_stringify_identifier(input_hash)!r} at (step={step}, "
+            f"sample_idx={sample_idx}) is not in index; available (step, sample_idx): "
+            f"{available}."
         )
 
     def load_all(self, inputs: object) -> list[GradientRecord]:
@@ -1084,51 +1244,71 @@ class GradientStorageManager:
         for entry in self._occurrences(input_hash):
             by_location.setdefault(entry["file"], set()).add(entry["idx"])
         found = []
-        for location in sorted(by_location, key=_natural_key):
+        for location in sorted(by_location, key=self._location_order):
             records = self.load_records(location)
             found.extend(records[idx] for idx in sorted(by_location[location]))
         return sorted(found, key=lambda r: r.step)
 
     def available_steps(self) -> list[int]:
-        """Distinct stored steps, ascending."""
-        return sorted({step for steps in self._groups.values() for step in steps})
+        """Distinct steps of the indexed records, ascending."""
+        return sorted(
+            {
+                step
+                for info in self._groups.values()
+                for step, live in zip(info.steps, info.live)
+                if live
+            }
+        )
 
     def locations(self) -> list[str]:
-        """Every group location, in store order (root first, then ranks; ascending group)."""
-        return sorted(self._groups, key=_natural_key)
+        """Every indexed group location in store order (root, then ranks; save order in RAM)."""
+        return sorted(self._groups, key=self._location_order)
 
     def iter_steps(self, steps: int | Iterable[int]) -> list[tuple[str, dict[int, list[int]]]]:
         """Groups holding any of ``steps``: ``[(location, {step: sorted record idxs})]``.
 
-        Ordered by location (store order); each location appears once.
+        Ordered by location (store order); each location appears once. Records
+        whose every sample was re-saved later are left out.
         """
         wanted = {int(steps)} if isinstance(steps, int) else {int(s) for s in steps}
         plan = []
         for location in self.locations():
+            info = self._groups[location]
             by_step: dict[int, list[int]] = {}
-            for idx, step in enumerate(self._groups[location]):
-                if step in wanted:
+            for idx, (step, live) in enumerate(zip(info.steps, info.live)):
+                if step in wanted and live:
                     by_step.setdefault(step, []).append(idx)
             if by_step:
                 plan.append((location, dict(sorted(by_step.items()))))
         return plan
 
     def group_path(self, location: str) -> Path:
-        """Filesystem path of a ``"disk"`` store's group (``location`` relative to ``save_dir``)."""
+        """Filesystem path of a ``"disk"`` store's group handle (relative to ``save_dir``)."""
         return self._save_dir / location
 
     def load_records(self, file_relpath: str) -> list[GradientRecord]:
-        """All records of one group, in stored order.
+        """All records of one group, in stored order, holding only their indexed samples.
 
-        Disk groups are read from their file (memmap views or unpickled);
-        RAM groups are returned as fresh records sharing the stored tensors.
+        A sample whose (step, identifier) pair was saved again later is left
+        out of its older record. Disk groups are read from their files
+        (memmap views or ``weights_only`` unpickling); RAM groups are returned
+        as fresh records sharing the stored tensors.
         """
+        records = self._read_group(file_relpath)
+        info = self._groups[file_relpath]
+        for idx, (identifiers, live) in enumerate(zip(info.identifiers, info.live)):
+            if live and len(live) < len(identifiers):
+                records[idx] = _keep_rows(records[idx], sorted(live))
+        return records
+
+    def _read_group(self, location: str) -> list[GradientRecord]:
+        """Every record of a group exactly as stored."""
         self._check_open()
-        if file_relpath not in self._groups:
+        if location not in self._groups:
             raise KeyError(
-                f"gradient store {self._save_dir} has no group {file_relpath!r}; "
-                f"{len(self._groups)} groups are indexed."
+                f"gradient store {self._save_dir} has no group {location!r} in its index; "
+                f"{len(self._groups)} groups are indexed (see locations())."
             )
         if self._cache is None:
-            return load_group_file(self.group_path(file_relpath))
-        return [_shallow_copy(r) for r in self._cache.get(file_relpath)]
+            return load_group_file(self.group_path(location))
+        return [_shallow_copy(r) for r in self._cache.get(self._cache_keys[location]).records]

@@ -2,32 +2,50 @@
 
 A source yields `StreamBatch` es ``(step, block, identifiers)``. Attributors
 branch only on `GradientSource.reusable` (whether a second pass at the same
-parameters is possible). This module holds the protocol, the store-backed
-`DiskGradientSource` and the helpers `rebatch_blocks`, `autocast_for`,
-`move_batch`.
+parameters is possible). This module holds the protocol, the live
+`GradientStreamer` (forward+backward per batch, frozen or training), the
+store-backed `DiskGradientSource` and `rebatch_blocks` (both defined in
+:mod:`dattri_llm.gradient.datasets`) and the helpers `autocast_for`, `move_batch`. Placing and
+wrapping the streamed model (DDP / FSDP) lives in
+:mod:`dattri_llm.gradient.wrapping`. ``transformers`` is imported only where
+seeding and scheduling need it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
 
-from dattri_llm.gradient.datasets import (
-    GroupBlockDataset,
-    concatenate_gradients,
-    resolve_layer_filter,
-    resolve_steps,
+from dattri_llm.gradient._training import (
+    build_optimizer,
+    check_loss,
+    decay_parameter_groups,
+    rng_state,
+    set_rng_state,
 )
-from dattri_llm.gradient.gradient import Factorized, Gradient
-from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
+from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
+from dattri_llm.gradient.datasets import DiskGradientSource, check_dataset, rebatch_blocks
+from dattri_llm.gradient.gradient import Gradient
+from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
+from dattri_llm.gradient.hooks.manager import HookManager
+from dattri_llm.gradient.wrapping import (
+    _build_auto_wrap_policy as _build_auto_wrap_policy,  # named here by the API contract
+)
+from dattri_llm.gradient.wrapping import is_fsdp, make_grad_scaler, place_model, unscale_gradient
+from dattri_llm.task import default_loss_func
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.storage_manager import GradientStorageManager
+    from torch.utils.data import Dataset
+
+    from dattri_llm.attribution.arguments import AttributionArguments
 
 __all__ = [
     "DiskGradientSource",
@@ -42,8 +60,6 @@ __all__ = [
 
 StreamBatch = tuple[int, Gradient, list[str]]
 LossFn = Callable[[nn.Module, object], torch.Tensor]
-
-_END = object()
 
 
 @runtime_checkable
@@ -64,229 +80,7 @@ class GradientSource(Protocol):
         ...
 
 
-def _identity(item: object) -> object:
-    return item
-
-
-def _one_ahead(iterable: Iterable[Any]) -> Iterator[Any]:
-    """Iterate ``iterable`` while a background thread already fetches the next item."""
-    iterator = iter(iterable)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dattri-llm-prefetch") as pool:
-        pending = pool.submit(next, iterator, _END)
-        while True:
-            item = pending.result()
-            if item is _END:
-                return
-            pending = pool.submit(next, iterator, _END)
-            yield item
-
-
-class DiskGradientSource:
-    """Re-iterable source over a `GradientStorageManager` (any residency).
-
-    Yields one block per ``(location, step)`` pair in ``iter_steps`` order: all
-    records of that step in that group, batch-concatenated (tokens padded),
-    with their identifiers. ``layer_name`` keeps those layers and their
-    ``name@k`` virtual layers; ``param_grad`` layers are dropped with a
-    `UserWarning`. ``"disk"`` stores are read through a `DataLoader` with
-    ``args.dataloader_num_workers`` workers (with 0 workers the next group is
-    prefetched on a background thread); RAM stores are read in-process.
-
-    Args:
-        file_manager: the store.
-        args: attribution arguments (reads ``dataloader_num_workers`` and
-            ``should_log``).
-        steps: stored steps to read (``None`` = all); see `resolve_steps`.
-        layer_name: a layer name or list of names (``None`` = all stored layers).
-        desc: progress-bar label; a tqdm bar is shown only when ``desc`` is
-            given, ``verbose`` is true and ``args.should_log``.
-        verbose: see ``desc``.
-
-    Raises:
-        KeyError: a requested layer is not stored.
-        ValueError: no requested step is stored, the store is empty, or no
-            per-sample layer remains.
-        FileNotFoundError: a ``"disk"`` store directory that does not exist.
-    """
-
-    def __init__(
-        self,
-        file_manager: GradientStorageManager,
-        args: Any,
-        *,
-        steps: Iterable[int] | None = None,
-        layer_name: str | list[str] | None = None,
-        desc: str | None = None,
-        verbose: bool = False,
-    ) -> None:
-        self._file_manager = file_manager
-        self._args = args
-        self._steps = resolve_steps(file_manager, steps)
-        self._layer_name = [layer_name] if isinstance(layer_name, str) else layer_name
-        if self._layer_name is not None:
-            self._layer_name = list(self._layer_name)
-        self._desc = desc
-        self._verbose = verbose
-        self._plan = file_manager.iter_steps(self._steps)
-        self._num_blocks = sum(len(step_idxs) for _, step_idxs in self._plan)
-        location, step_idxs = self._plan[0]
-        first = file_manager.load_records(location)[next(iter(step_idxs.values()))[0]]
-        resolve_layer_filter(
-            first.gradient, self._layer_name, f"gradient store {file_manager.save_dir}"
-        )
-
-    @property
-    def args(self) -> Any:
-        """The attribution arguments."""
-        return self._args
-
-    @property
-    def file_manager(self) -> GradientStorageManager:
-        """The store read from."""
-        return self._file_manager
-
-    @property
-    def steps(self) -> list[int]:
-        """Steps read, ascending."""
-        return list(self._steps)
-
-    @property
-    def layer_name(self) -> list[str] | None:
-        """Layer filter (``None`` = all stored layers)."""
-        return None if self._layer_name is None else list(self._layer_name)
-
-    @property
-    def reusable(self) -> bool:
-        """Always ``True``: a store can be re-read."""
-        return True
-
-    def __len__(self) -> int:
-        """Number of ``(location, step)`` blocks per pass."""
-        return self._num_blocks
-
-    def __repr__(self) -> str:
-        """Store, steps and layer filter."""
-        return (
-            f"DiskGradientSource({self._file_manager!r}, steps={len(self._steps)}, "
-            f"blocks={self._num_blocks}, layer_name={self._layer_name})"
-        )
-
-    def for_steps(self, steps: int | Iterable[int]) -> DiskGradientSource:
-        """Same store and layer filter restricted to ``steps`` (no progress bar).
-
-        Raises:
-            ValueError: none of ``steps`` is among this source's steps.
-        """
-        wanted = {int(steps)} if isinstance(steps, int) else {int(s) for s in steps}
-        restricted = [s for s in self._steps if s in wanted]
-        if not restricted:
-            raise ValueError(
-                f"DiskGradientSource.for_steps: none of {sorted(wanted)} is among the source's "
-                f"steps {self._steps}."
-            )
-        return DiskGradientSource(
-            self._file_manager, self._args, steps=restricted, layer_name=self._layer_name
-        )
-
-    def __iter__(self) -> Iterator[StreamBatch]:
-        """Blocks in store order; each group is read once."""
-        blocks = (block for group in self._groups() for block in group)
-        if self._desc is not None and self._verbose and getattr(self._args, "should_log", True):
-            from tqdm.auto import tqdm
-
-            blocks = tqdm(blocks, total=self._num_blocks, desc=self._desc)
-        return iter(blocks)
-
-    def _groups(self) -> Iterator[list[StreamBatch]]:
-        dataset = GroupBlockDataset.for_store(self._file_manager, self._plan, self._layer_name)
-        if self._file_manager.residency != "disk":
-            return (dataset[i] for i in range(len(dataset)))
-        workers = int(getattr(self._args, "dataloader_num_workers", 0) or 0)
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_size=None, shuffle=False, num_workers=workers, collate_fn=_identity
-        )
-        return iter(loader) if workers > 0 else _one_ahead(loader)
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _is_dense(block: Gradient) -> bool:
-    """No factorized and no batch-level ``param_grad`` layer."""
-    return all(
-        not isinstance(value, Factorized) and block.layer_types[name] != PARAM_GRAD_TYPES
-        for name, value in block.data.items()
-    )
-
-
-def _structure(block: Gradient) -> tuple:
-    return tuple(
-        sorted((name, block.layer_types[name], block.indexing[name]) for name in block.data)
-    )
-
-
-class _DenseBuffer:
-    """Pending dense rows: pieces of ``(per-row steps, block, identifiers)``."""
-
-    def __init__(self) -> None:
-        self.pieces: list[tuple[list[int], Gradient, list[str]]] = []
-        self.rows = 0
-
-    def add(self, steps: list[int], block: Gradient, ids: list[str]) -> None:
-        self.pieces.append((steps, block, ids))
-        self.rows += len(steps)
-
-    def merged(self) -> tuple[list[int], Gradient, list[str]]:
-        steps = [s for piece in self.pieces for s in piece[0]]
-        ids = [h for piece in self.pieces for h in piece[2]]
-        return steps, concatenate_gradients([piece[1] for piece in self.pieces]), ids
-
-    def take(self, n: int) -> tuple[list[int], Gradient, list[str]]:
-        """The first ``n`` rows; the rest stays buffered."""
-        steps, block, ids = self.merged()
-        self.pieces, self.rows = [], 0
-        if len(steps) > n:
-            rest = block.slice("batch", list(range(n, len(steps))))
-            self.add(steps[n:], rest, ids[n:])
-            block = block.slice("batch", list(range(n)))
-        return steps[:n], block, ids[:n]
-
-
-def rebatch_blocks(
-    source: Iterable[StreamBatch], batch_size: int
-) -> Iterator[tuple[list[int], Gradient, list[str]]]:
-    """Re-batch dense blocks to ``batch_size`` rows; factorized blocks pass through.
-
-    Yields ``(per-row steps, block, identifiers)``. Consecutive dense blocks
-    (all layers materialized, same layers) are concatenated and cut into
-    blocks of exactly ``batch_size`` rows (the last of a run may be smaller);
-    a factorized block (or one with another layer structure) first flushes
-    the pending rows, and factorized blocks are yielded one at a time.
-
-    Raises:
-        ValueError: ``batch_size < 1``.
-    """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"rebatch_blocks: batch_size must be an int >= 1, got {batch_size!r}.")
-    buffer = _DenseBuffer()
-    structure = None
-    for step, block, ids in source:
-        rows = [step] * len(ids)
-        if not _is_dense(block):
-            if buffer.rows:
-                yield buffer.take(buffer.rows)
-            yield rows, block, list(ids)
-            del block  # release it before the source produces the next one
-            continue
-        if buffer.rows and _structure(block) != structure:
-            yield buffer.take(buffer.rows)
-        structure = _structure(block)
-        buffer.add(rows, block, list(ids))
-        del block
-        while buffer.rows >= batch_size:
-            yield buffer.take(batch_size)
-    if buffer.rows:
-        yield buffer.take(buffer.rows)
 
 
 def autocast_for(args: Any) -> contextlib.AbstractContextManager:
@@ -323,5 +117,452 @@ def _rebuild_mapping(original: Mapping, moved: dict) -> Mapping:
         return moved
 
 
-# GradientStreamer / ReplayGradientSource live in dattri_llm.gradient._live (another module).
-from dattri_llm.gradient._live import GradientStreamer  # noqa: E402
+# --------------------------------------------------------------------------- live source
+
+
+class GradientStreamer:
+    """Live gradient source: one ``(step, Gradient, identifiers)`` block per batch.
+
+    Two regimes. **Frozen probe** (``enable_update=False``): batches in dataset
+    order, model in ``eval()``, every block labelled ``checkpoint_step``;
+    gradients already on the parameters, module modes and the global RNG state
+    are restored after each pass, so the probe is ``reusable``.
+    **Trajectory** (``enable_update=True``): model in ``train()``, batches in
+    the order of ``DataLoader(dataset, batch_size, shuffle=True,
+    generator=torch.Generator().manual_seed(args.data_seed))`` (``args.seed``
+    when ``data_seed`` is ``None``), as a Hugging Face ``Trainer`` draws them;
+    the loss divided by ``N = args.gradient_accumulation_steps`` and the
+    optimizer stepped every ``N`` batches and on the last batch (forward → backward → clip →
+    ``optimizer.step`` → ``scheduler.step``; zero-grad at the next window
+    start); blocks are labelled with the batch index and the streamer can be
+    iterated once.
+
+    ``dataset`` is a list of dicts, a map-style ``torch`` `Dataset` of dicts or a
+    Hugging Face ``datasets.Dataset`` (anything else → ``TypeError`` here, see
+    `check_dataset`). The attribute ``role`` (``"training"``, or ``"query"``
+    for a test-side probe) names the batches in loss errors.
+
+    Must be entered as a context manager before iterating. Blocks keep the
+    captured device and dtype. Under fp16 with a ``GradScaler`` the captured
+    gradients are divided by the scale before they are yielded.
+
+    ``model`` must be unwrapped: hooks go on it first, then it is moved to
+    ``args.device`` and wrapped, unless ``forward_model=`` is given. With
+    ``args.fsdp`` set it is wrapped in ``FullyShardedDataParallel(model,
+    use_orig_params=True)`` (``full_shard``/``shard_grad_op`` → sharding
+    strategy, ``offload`` → parameter CPU offload (GPU only), ``fsdp_config``
+    ``transformer_layer_cls_to_wrap`` / ``min_num_params`` → auto-wrap policy,
+    ``auto_wrap`` alone → the model's ``_no_split_modules``); in a single
+    process without a process group it stays unwrapped (``UserWarning``).
+    Otherwise it is wrapped in ``DistributedDataParallel`` when
+    ``args.world_size > 1``. Under FSDP, clipping uses the wrapper's global norm.
+
+    Not implemented in this version: ``precondition=True``, ``snapshots=`` and
+    DeepSpeed (``NotImplementedError``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataset: Dataset,
+        args: AttributionArguments,
+        *,
+        batch_size: int,
+        enable_update: bool = False,
+        loss_fn: LossFn | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: object | None = None,
+        config: HookManagerConfig | None = None,
+        collate_fn: Callable | None = None,
+        checkpoint_step: int = 0,
+        hook_manager: HookManager | None = None,
+        precondition: bool = False,
+        snapshots: object | None = None,
+        forward_model: nn.Module | None = None,
+        shard: bool = True,
+        defer_update: bool = False,
+    ) -> None:
+        self._check_options(batch_size, enable_update, precondition, snapshots, args)
+        check_dataset(dataset, "the GradientStreamer dataset")
+        self._args = args
+        self._model = model
+        self.enable_update = enable_update
+        self.defer_update = defer_update
+        self.role = "training"
+        self._loss_fn = default_loss_func if loss_fn is None else loss_fn
+        self._optimizer = optimizer
+        self._param_groups = decay_parameter_groups(model, args.weight_decay)
+        self._scheduler = scheduler
+        self._checkpoint_step = checkpoint_step
+        self._manager, self._owns_manager = self._resolve_manager(
+            model, config, hook_manager, forward_model, args
+        )
+        self._capture = _find_capture_callback(self._manager)
+        if self._capture is None:
+            raise ValueError(
+                "hook_manager= must carry a CaptureCallback (the streamer reads each batch's "
+                "record from it); build it with callbacks=[CaptureCallback(), ...]"
+            )
+        try:
+            self._enable_gradient_checkpointing(model, args)
+            self._forward_model = forward_model or place_model(model, args)
+        except BaseException:
+            if self._owns_manager:  # do not leave hooks on a model we failed to wrap
+                self._manager.remove()
+            raise
+        self._dataset = dataset
+        self._batch_size = batch_size
+        self._collate_fn = collate_fn
+        self._shard = shard
+        self._scaler: torch.amp.GradScaler | None = None
+        self._collect_stack: ExitStack | None = None
+        self._active = False
+        self._trajectory_started = False
+        self._pending_update = False
+        self._learning_rates: dict[int, float] = {}
+
+    # ----------------------------------------------------------------- setup
+
+    @staticmethod
+    def _check_options(
+        batch_size: int,
+        enable_update: bool,
+        precondition: bool,
+        snapshots: object | None,
+        args: AttributionArguments,
+    ) -> None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if snapshots is not None and not enable_update:
+            raise ValueError(
+                "snapshots= records a training trajectory and needs enable_update=True"
+            )
+        if snapshots is not None:
+            raise NotImplementedError(
+                "GradientStreamer(snapshots=...) is not implemented in this version; capture "
+                "parameters with ParameterSnapshotCallback from your own loop instead"
+            )
+        if precondition:
+            raise NotImplementedError(
+                "GradientStreamer(precondition=True) is not implemented in this version; build "
+                "HookManager(model, optimizer=...) around your own loop for preconditioned capture"
+            )
+        if args.deepspeed:
+            raise NotImplementedError(
+                "GradientStreamer does not support DeepSpeed; unset args.deepspeed"
+            )
+
+    @staticmethod
+    def _resolve_manager(
+        model: nn.Module,
+        config: HookManagerConfig | None,
+        hook_manager: HookManager | None,
+        forward_model: nn.Module | None,
+        args: AttributionArguments,
+    ) -> tuple[HookManager, bool]:
+        if hook_manager is not None:
+            if args.world_size > 1 and forward_model is None:
+                raise ValueError(
+                    "sharing hook_manager= under world_size>1 needs forward_model= (the wrapper "
+                    "the owning streamer built); pass other.forward_model"
+                )
+            return hook_manager, False
+        if config is None:
+            config = HookManagerConfig(linear_io=REGISTER_ALL)
+        return HookManager(model, config=config, callbacks=[CaptureCallback()]), True
+
+    @staticmethod
+    def _enable_gradient_checkpointing(model: nn.Module, args: AttributionArguments) -> None:
+        if not args.gradient_checkpointing:
+            return
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            warnings.warn(
+                f"args.gradient_checkpointing is set but {type(model).__name__} has no "
+                "gradient_checkpointing_enable(); running without it",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+
+    def _make_loader(self, shuffle: bool) -> DataLoader:
+        """A fresh loader over the dataset, ``batch_size`` per batch.
+
+        ``world_size>1`` and ``shard``: a ``DistributedSampler`` (seeded by
+        ``data_seed``). Otherwise ``shuffle`` hands a generator seeded by
+        ``data_seed`` to the ``DataLoader`` itself (not to a sampler: the loader
+        draws its base seed from that generator before the permutation, so the
+        order is the one a ``Trainer`` gets); without ``shuffle``, dataset order.
+        """
+        args = self._args
+        sampler, generator = None, None
+        if args.world_size > 1 and self._shard:
+            sampler = DistributedSampler(
+                self._dataset,
+                num_replicas=args.world_size,
+                rank=args.process_index,
+                shuffle=shuffle,
+                seed=self._data_seed(),
+            )
+        elif shuffle:
+            generator = torch.Generator().manual_seed(self._data_seed())
+        workers = args.dataloader_num_workers
+        extra: dict[str, Any] = {}
+        if workers > 0:
+            extra["persistent_workers"] = args.dataloader_persistent_workers
+            if args.dataloader_prefetch_factor is not None:
+                extra["prefetch_factor"] = args.dataloader_prefetch_factor
+        return DataLoader(
+            self._dataset,
+            batch_size=self._batch_size,
+            shuffle=generator is not None,
+            sampler=sampler,
+            generator=generator,
+            collate_fn=self._collate_fn,
+            num_workers=workers,
+            pin_memory=args.dataloader_pin_memory,
+            **extra,
+        )
+
+    def _data_seed(self) -> int:
+        seed = getattr(self._args, "data_seed", None)
+        return self._args.seed if seed is None else seed
+
+    def _build_scheduler(self, optimizer: torch.optim.Optimizer) -> object:
+        from transformers import get_scheduler
+
+        windows = math.ceil(len(self) / self._args.gradient_accumulation_steps)
+        return get_scheduler(
+            self._args.lr_scheduler_type,
+            optimizer=optimizer,
+            num_warmup_steps=self._args.warmup_steps,
+            num_training_steps=windows,
+        )
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def args(self) -> AttributionArguments:
+        """The :class:`AttributionArguments` the streamer was built with."""
+        return self._args
+
+    @property
+    def reusable(self) -> bool:
+        """``True`` for a frozen probe (re-iterable at the same parameters)."""
+        return not self.enable_update
+
+    @property
+    def model(self) -> nn.Module:
+        """The unwrapped, hooked model."""
+        return self._model
+
+    @property
+    def forward_model(self) -> nn.Module:
+        """The module the loss is evaluated on (the wrapper, or ``model`` itself)."""
+        return self._forward_model
+
+    @property
+    def hook_manager(self) -> HookManager:
+        """The :class:`HookManager` capturing each batch (owned or shared)."""
+        return self._manager
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer: given, or built from ``args`` for a trajectory.
+
+        Raises ``RuntimeError`` for a probe built without one.
+        """
+        if self._optimizer is None and self.enable_update:
+            self._optimizer = build_optimizer(self._param_groups, self._args)
+        if self._optimizer is None:
+            raise RuntimeError(
+                "this GradientStreamer has no optimizer (a frozen probe built without "
+                "optimizer=); pass optimizer= or use enable_update=True"
+            )
+        return self._optimizer
+
+    @property
+    def learning_rates(self) -> dict[int, float]:
+        """LR in effect for each batch index of the last updating pass (``{}`` for probes)."""
+        return dict(self._learning_rates)
+
+    def __len__(self) -> int:
+        """Number of batches (= blocks) per pass."""
+        return len(self._make_loader(shuffle=False))
+
+    # ------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> GradientStreamer:
+        """Seed, and enter the owned manager's ``collect()``."""
+        if self._active:
+            raise RuntimeError("this GradientStreamer is already active; do not re-enter it")
+        from transformers import enable_full_determinism, set_seed
+
+        if self._args.full_determinism:
+            enable_full_determinism(self._args.seed)
+        else:
+            set_seed(self._args.seed)
+        stack = ExitStack()
+        if self._owns_manager:
+            stack.enter_context(self._manager.collect())
+        self._collect_stack = stack
+        self._active = True
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """Apply a deferred update (clean exit only), end collection, remove owned hooks."""
+        try:
+            if exc_type is None:
+                self._apply_pending_update()
+        finally:
+            self._pending_update = False
+            self._active = False
+            stack, self._collect_stack = self._collect_stack, None
+            try:
+                if stack is not None:
+                    stack.close()
+            finally:
+                if self._owns_manager:
+                    self._manager.remove()
+
+    def __iter__(self) -> Iterator[StreamBatch]:
+        """Run one pass; yields ``(step, Gradient, identifiers)`` per batch."""
+        if not self._active:
+            raise RuntimeError(
+                "GradientStreamer must be entered before iterating: use `with streamer: for "
+                "step, block, ids in streamer: ...`"
+            )
+        if self.enable_update:
+            if self._trajectory_started:
+                raise RuntimeError(
+                    "an updating GradientStreamer (enable_update=True) can be iterated only once; "
+                    "its parameters have moved (reusable is False)"
+                )
+            self._trajectory_started = True
+            return self._trajectory_pass()
+        return self._probe_pass()
+
+    # ----------------------------------------------------------------- passes
+
+    def _probe_pass(self) -> Iterator[StreamBatch]:
+        params = list(self._model.parameters())
+        saved_grads = [p.grad for p in params]
+        saved_modes = {m: m.training for m in self._model.modules()}
+        saved_rng = rng_state()
+        try:
+            for p in params:
+                p.grad = None
+            self._model.eval()
+            for index, batch in enumerate(self._make_loader(shuffle=False)):
+                # Yield without binding the block here: a local would keep the previous
+                # batch's captures alive through the next batch's forward and backward.
+                yield self._probe_batch(index, batch, params)
+        finally:
+            for p, grad in zip(params, saved_grads):
+                p.grad = grad
+            for module, training in saved_modes.items():
+                module.train(training)
+            set_rng_state(saved_rng)
+
+    def _probe_batch(self, index: int, batch: object, params: list[nn.Parameter]) -> StreamBatch:
+        """Run one probe batch and clear the parameter gradients it left behind."""
+        block, ids = self._run_batch(index, batch, loss_divisor=1)
+        for p in params:
+            p.grad = None
+        return self._checkpoint_step, block, ids
+
+    def _trajectory_pass(self) -> Iterator[StreamBatch]:
+        optimizer = self.optimizer
+        if self._scheduler is None:
+            self._scheduler = self._build_scheduler(optimizer)
+        device = torch.device(self._args.device)
+        if self._args.fp16 and device.type == "cuda":
+            self._scaler = make_grad_scaler(self._forward_model)
+        self._learning_rates = {}
+        window = self._args.gradient_accumulation_steps
+        loader = self._make_loader(shuffle=True)
+        last = len(loader) - 1
+        self._model.train()
+        for index, batch in enumerate(loader):
+            self._apply_pending_update()
+            if index % window == 0:
+                optimizer.zero_grad(set_to_none=True)
+            self._learning_rates[index] = float(optimizer.param_groups[0]["lr"])
+            yield self._trajectory_batch(index, batch, window, last)
+        self._apply_pending_update()
+
+    def _trajectory_batch(self, index: int, batch: object, window: int, last: int) -> StreamBatch:
+        """Run one training batch; step (or defer) the update at a window end."""
+        block, ids = self._run_batch(index, batch, loss_divisor=window)
+        if (index + 1) % window == 0 or index == last:
+            if self.defer_update:
+                self._pending_update = True
+            else:
+                self._apply_update()
+        return index, block, ids
+
+    def _run_batch(self, index: int, batch: object, loss_divisor: int) -> tuple[Gradient, list]:
+        """Forward + backward one batch under the hooks; return its captured block and ids."""
+        batch = move_batch(batch, torch.device(self._args.device))
+        self._manager.reset_steps(index)
+        self._capture.record = None
+        with autocast_for(self._args):
+            loss = check_loss(self._loss_fn(self._forward_model, batch), index, self.role)
+        if loss_divisor > 1:
+            loss = loss / loss_divisor
+        if self._scaler is not None:
+            self._scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        record = self._capture.record
+        if record is None:
+            raise RuntimeError(
+                f"batch {index} produced no gradient record: no hooked layer took part in the "
+                "backward (check the hook config and that loss_fn calls the model on the batch)"
+            )
+        if record.step != index:
+            raise RuntimeError(
+                f"step desync: the capture record of batch {index} is stamped step "
+                f"{record.step}; loss_fn must run exactly one forward+backward step per batch"
+            )
+        self._capture.record = None
+        block = record.gradient
+        if self._scaler is not None:
+            block = unscale_gradient(block, float(self._scaler.get_scale()))
+        ids = record.input_hash
+        return block, list(ids) if isinstance(ids, list) else [ids]
+
+    def _apply_pending_update(self) -> None:
+        if self._pending_update:
+            self._pending_update = False
+            self._apply_update()
+
+    def _apply_update(self) -> None:
+        """Clip to ``max_grad_norm``, ``optimizer.step()``, then ``scheduler.step()``."""
+        optimizer = self.optimizer
+        if self._scaler is not None:
+            self._scaler.unscale_(optimizer)
+        max_norm = self._args.max_grad_norm
+        if max_norm is not None and max_norm > 0:
+            self._clip_gradients(max_norm)
+        if self._scaler is not None:
+            self._scaler.step(optimizer)
+            self._scaler.update()
+        else:
+            optimizer.step()
+        if self._scheduler is not None:
+            self._scheduler.step()
+
+    def _clip_gradients(self, max_norm: float) -> None:
+        """Clip to total norm ``max_norm``; under FSDP the norm spans every rank's shard."""
+        if is_fsdp(self._forward_model):
+            self._forward_model.clip_grad_norm_(max_norm)
+            return
+        trainable = [p for p in self._model.parameters() if p.requires_grad]
+        nn.utils.clip_grad_norm_(trainable, max_norm)
+
+
+def _find_capture_callback(manager: HookManager) -> CaptureCallback | None:
+    """The first `CaptureCallback` attached to ``manager``, or ``None``."""
+    return next((cb for cb in manager.callbacks if isinstance(cb, CaptureCallback)), None)

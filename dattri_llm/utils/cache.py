@@ -17,11 +17,20 @@ callable or ``None`` spill dir is created lazily (``None`` → a fresh temporary
 directory) and removed, with its files, by `TensorCache.close` (or at garbage
 collection). `TensorCache.discard` and `TensorCache.clear` always delete the
 files of the entries they drop.
+
+Spill safety: the default writer stores tensors and plain containers only
+(tensors, numbers, strings, bytes, ``None``, torch dtypes / devices / sizes
+inside dict / list / tuple / set), through
+`dattri_llm.utils.atomic.atomic_torch_save` (a killed write leaves no partial
+file), and the default reader loads with ``torch.load(weights_only=True)``, so
+a tampered spill file cannot run code. A spill that fails leaves the entry
+being evicted in memory and propagates the error: no entry is lost silently.
 """
 
 from __future__ import annotations
 
 import itertools
+import pickle
 import shutil
 import tempfile
 import threading
@@ -35,9 +44,26 @@ from typing import Any
 import torch
 
 from dattri_llm.options import CacheResidency
+from dattri_llm.utils.atomic import atomic_torch_save
 
 CACHE_RESIDENCIES = ("disk", "memory", "tiered")
 DEFAULT_CACHE_FRACTION = 0.35
+
+# Leaves the default spill writer accepts: what ``torch.load(weights_only=True)`` rebuilds.
+_SPILLABLE_LEAF_TYPES = (
+    torch.Tensor,
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+)
+_SPILLABLE_CONTAINERS = (dict, OrderedDict, list, tuple, set, frozenset)
 
 _FALLBACK_HOST_BYTES = 16 * 1024**3
 _MEMINFO = "/proc/meminfo"
@@ -71,15 +97,19 @@ def available_host_bytes() -> int:
 
 
 class CacheBudget:
-    """Byte budget of a cache: a fixed cap, or a fraction of currently free memory.
+    """Byte budget of a cache: a fixed cap, or a fraction of the memory free at creation.
 
     ``total()`` is ``limit_bytes`` when given; otherwise ``fraction`` × the free
     memory of a CUDA ``device`` (``torch.cuda.mem_get_info``) or ``fraction`` ×
-    the available host RAM (``device=None`` or a non-CUDA device). It is re-read
-    on every call, so the budget follows the memory actually free.
+    the available host RAM (``device=None`` or a non-CUDA device), **measured
+    once, when the budget is created**. The bytes a cache holds are counted
+    against that fixed total (``fits(nbytes, held)``); re-measuring as the cache
+    fills would count its own entries twice (once as ``held``, once as memory
+    no longer free) and spill too early. The same puts therefore always give
+    the same spills. Create a new budget to follow memory freed or used since.
     """
 
-    __slots__ = ("_device", "_fraction", "_limit_bytes")
+    __slots__ = ("_device", "_fraction", "_limit_bytes", "_total")
 
     def __init__(
         self,
@@ -98,6 +128,14 @@ class CacheBudget:
         self._device = None if device is None else torch.device(device)
         self._fraction = float(fraction)
         self._limit_bytes = None if limit_bytes is None else int(limit_bytes)
+        self._total = self._limit_bytes if self._limit_bytes is not None else self._measure()
+
+    def _measure(self) -> int:
+        """``fraction`` × the memory free now on the budget's device (host RAM by default)."""
+        if self._device is not None and self._device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self._device)
+            return int(self._fraction * free)
+        return int(self._fraction * available_host_bytes())
 
     @property
     def device(self) -> torch.device | None:
@@ -105,13 +143,8 @@ class CacheBudget:
         return self._device
 
     def total(self) -> int:
-        """Budget in bytes, re-evaluated on every call."""
-        if self._limit_bytes is not None:
-            return self._limit_bytes
-        if self._device is not None and self._device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self._device)
-            return int(self._fraction * free)
-        return int(self._fraction * available_host_bytes())
+        """Budget in bytes: ``limit_bytes``, or the fraction of free memory measured at creation."""
+        return self._total
 
     def fits(self, nbytes: int, held: int = 0) -> bool:
         """Whether ``nbytes`` more bytes fit next to ``held`` bytes already used."""
@@ -122,19 +155,62 @@ class CacheBudget:
         rule = (
             f"limit_bytes={self._limit_bytes}"
             if self._limit_bytes is not None
-            else f"fraction={self._fraction}"
+            else f"fraction={self._fraction}, total={self._total}"
         )
         return f"CacheBudget(device={self._device}, {rule})"
 
 
+def _unspillable_part(value: object, where: str = "value") -> str | None:
+    """Where in ``value`` an object the default writer cannot spill sits (``None``: all fine).
+
+    Accepted: `_SPILLABLE_LEAF_TYPES` leaves inside dict / OrderedDict / list /
+    tuple / set / frozenset (exact container types: a namedtuple or dataclass is
+    refused). Returns e.g. ``"value['a'][1] (Factorized)"``.
+    """
+    kind = type(value)
+    if isinstance(value, torch.Tensor) or kind in _SPILLABLE_LEAF_TYPES:
+        return None
+    if kind not in _SPILLABLE_CONTAINERS:
+        return f"{where} ({kind.__name__})"
+    if isinstance(value, dict):
+        items = [(f"{where}[{k!r}]", v) for k, v in value.items()]
+        items += [(f"{where} key {k!r}", k) for k in value]
+    else:
+        items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    for inner_where, inner in items:
+        found = _unspillable_part(inner, inner_where)
+        if found is not None:
+            return found
+    return None
+
+
+def _check_spillable(key: Hashable, value: object) -> None:
+    """Raise ``TypeError`` unless the default writer can spill ``value`` safely."""
+    found = _unspillable_part(value)
+    if found is not None:
+        raise TypeError(
+            f"TensorCache.put({key!r}): the default spill writer stores tensors and plain "
+            f"containers (dict / list / tuple / set of tensors, numbers, strings, None) only, "
+            f"so that spill files load with torch.load(weights_only=True); got {found}. Pass "
+            "writer= and reader= for other objects, or use residency 'memory'."
+        )
+
+
 def _default_writer(path: Path, value: object) -> None:
-    torch.save(value, path)
+    """``torch.save`` through a temporary file, fsynced and renamed (never half-written)."""
+    atomic_torch_save(value, path)
 
 
 def _default_reader(path: Path) -> object:
-    # Spill files are written by this cache only; containers may hold
-    # non-tensor objects (e.g. ``Factorized``), so full unpickling is needed.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """``torch.load(weights_only=True)`` to CPU: tensors and plain containers, no code run."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise pickle.UnpicklingError(
+            f"TensorCache: refusing to load spill file {path}: it holds objects other than "
+            f"tensors and plain containers, which weights_only loading does not run ({error}). "
+            "The file was not written by this cache's default writer; delete it."
+        ) from error
 
 
 def _as_budget(budget: CacheBudget | int | None) -> CacheBudget | None:
@@ -159,8 +235,13 @@ class TensorCache:
             callable returning one, or ``None`` for a private temporary
             directory (both created lazily and removed on close).
         writer: ``writer(path, value) -> Path | None`` writes one entry
-            (default ``torch.save``); it may return the path it actually wrote.
-        reader: ``reader(path) -> value`` (default ``torch.load`` to CPU).
+            (default: ``torch.save`` through `atomic_torch_save`, tensors and
+            plain containers only, checked by `put` for ``"disk"``/``"tiered"``);
+            it may return the path it actually wrote. If it raises, the entry
+            stays where it was (an evicted entry stays in memory) and the error
+            propagates.
+        reader: ``reader(path) -> value`` (default ``torch.load(weights_only=True)``
+            to CPU).
         on_spill: ``on_spill(key, path)`` called after an entry is written to disk.
         nbytes_fn: sizes an entry in bytes (default `tensor_nbytes`).
     """
@@ -251,13 +332,18 @@ class TensorCache:
         Returns ``False`` when a ``"memory"`` cache cannot fit the entry within
         its budget (the entry is then not cached and a previous entry under the
         same key is dropped); ``True`` otherwise. Raises `RuntimeError` after
-        `close`.
+        `close`; ``TypeError`` (nothing changed) when the default writer could
+        not spill ``value`` (see the module docstring). When a spill write
+        fails, the error propagates, the entry being evicted stays in memory
+        and no entry is left under ``key`` (never a stale one).
         """
         with self._lock:
             if self._closed:
                 raise RuntimeError(
                     f"TensorCache.put({key!r}): the cache is closed; create a new TensorCache."
                 )
+            if self._residency != "memory" and self._writer is _default_writer:
+                _check_spillable(key, value)
             self._drop(key)
             if self._residency == "disk":
                 self._write(key, value)
@@ -328,14 +414,17 @@ class TensorCache:
         return self._budget is None or self._budget.fits(nbytes, self._held)
 
     def _make_room(self, nbytes: int) -> bool:
-        """Spill oldest memory entries until ``nbytes`` fit; ``False`` if they never can."""
+        """Spill oldest memory entries until ``nbytes`` fit; ``False`` if they never can.
+
+        Each entry leaves memory only after its spill file is written: a failing
+        writer leaves it resident and the error propagates.
+        """
         if self._budget is None:
             return True
         if nbytes > self._budget.total():
             return False
         while self._memory and not self._fits(nbytes):
-            old_key, (old_value, old_nbytes) = self._memory.popitem(last=False)
-            self._held -= old_nbytes
+            old_key, (old_value, _) = next(iter(self._memory.items()))
             self._write(old_key, old_value)
         return self._fits(nbytes)
 
@@ -348,10 +437,23 @@ class TensorCache:
             path.unlink(missing_ok=True)
 
     def _write(self, key: Hashable, value: Any) -> None:
+        """Write ``value`` to a fresh spill file, then move ``key`` from memory to disk.
+
+        If the writer raises, whatever it left at the planned path is removed
+        (never indexed, so never read), a memory entry under ``key`` stays, and
+        the error propagates.
+        """
         directory = self._ensure_spill_dir()
         path = directory / f"{self._file_prefix}{next(self._file_counter):08d}.pt"
-        written = self._writer(path, value)
+        try:
+            written = self._writer(path, value)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         path = Path(written) if written is not None else path
+        entry = self._memory.pop(key, None)
+        if entry is not None:
+            self._held -= entry[1]
         self._disk[key] = path
         if self._on_spill is not None:
             self._on_spill(key, path)

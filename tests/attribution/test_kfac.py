@@ -25,6 +25,8 @@ from kfac_helpers import (
     conv_rows,
     covariances,
     damped_inverse,
+    dict_loss,
+    dict_samples,
     ekfac_operator,
     kfac_operator,
     linear_rows,
@@ -294,9 +296,8 @@ def test_live_cache_and_callback_covariances_identical(tmp_path):
     torch.manual_seed(0)
     model = MLP()
     train, test = mlp_data(N_TRAIN, 1), mlp_data(N_TEST, 2)
-    task = AttributionTask(mlp_loss, model)
-    train_ds = [(train[0][i], train[1][i]) for i in range(N_TRAIN)]
-    test_ds = [(test[0][i], test[1][i]) for i in range(N_TEST)]
+    task = AttributionTask(dict_loss, model)
+    train_ds, test_ds = dict_samples(train), dict_samples(test)
     for cls, method in ((KFACAttributor, "kfac"), (EKFACAttributor, "ekfac")):
         expected = _reference(model, train, test, method)
         live = cls(_args(tmp_path / f"{method}_live"), task=task).attribute(
@@ -326,9 +327,8 @@ def test_materialized_capture_uses_covariances_recorded_at_capture(tmp_path, res
     torch.manual_seed(0)
     model = MLP()
     train, test = mlp_data(N_TRAIN, 1), mlp_data(N_TEST, 2)
-    task = AttributionTask(mlp_loss, model)
-    train_ds = [(train[0][i], train[1][i]) for i in range(N_TRAIN)]
-    test_ds = [(test[0][i], test[1][i]) for i in range(N_TEST)]
+    task = AttributionTask(dict_loss, model)
+    train_ds, test_ds = dict_samples(train), dict_samples(test)
     pinned = HookManagerConfig(linear_io=list(MLP_LAYERS), capture_style="materialized")
     for cls, method in ((KFACAttributor, "kfac"), (EKFACAttributor, "ekfac")):
         attributor = cls(_args(tmp_path / method), task=task)
@@ -494,9 +494,8 @@ def test_curvature_methods_score_the_first_checkpoint_only(tmp_path):
     train, test = mlp_data(N_TRAIN, 1), mlp_data(N_TEST, 2)
     first = {k: v.clone() for k, v in model.state_dict().items()}
     other = {k: torch.randn_like(v) for k, v in first.items()}
-    task = AttributionTask(mlp_loss, model, checkpoints=[first, other])
-    train_ds = [(train[0][i], train[1][i]) for i in range(N_TRAIN)]
-    test_ds = [(test[0][i], test[1][i]) for i in range(N_TEST)]
+    task = AttributionTask(dict_loss, model, checkpoints=[first, other])
+    train_ds, test_ds = dict_samples(train), dict_samples(test)
     expected = _reference(model, train, test, "kfac")
     attributor = KFACAttributor(_args(tmp_path), task=task)
     assert attributor.num_checkpoints() == 2

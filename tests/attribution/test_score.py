@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -142,3 +143,30 @@ def test_load_folds_top_level_normalized_grad(tmp_path):
     assert t.algorithm_meta["normalized_grad"] is True
     with pytest.raises(FileNotFoundError):
         AttributionScore.load(tmp_path / "missing")
+
+
+def test_failed_save_leaves_the_previous_scores_loadable(tmp_path, monkeypatch):
+    first = make_instance_score()
+    out = first.save(tmp_path / "scores")
+    saved_files = sorted(p.name for p in out.iterdir())
+
+    def save_then_fail(obj, f, *args, **kwargs):
+        partial = b"PK\x03\x04 truncated"
+        if isinstance(f, (str, os.PathLike)):
+            with open(f, "wb") as handle:
+                handle.write(partial)
+        else:
+            f.write(partial)
+        raise OSError("disk full (simulated)")
+
+    second = make_instance_score()
+    second.scores = second.scores + 100.0
+    monkeypatch.setattr(torch, "save", save_then_fail)
+    with pytest.raises(OSError, match="simulated"):
+        second.save(out)
+    monkeypatch.undo()
+
+    assert sorted(p.name for p in out.iterdir()) == saved_files  # no partial or stray file
+    loaded = AttributionScore.load(out)
+    assert torch.equal(loaded.scores, torch.arange(12, dtype=torch.float32).reshape(4, 3))
+    assert loaded.row_train_ids == ["a", "b", "a", "c"] and loaded.test_ids == ["x", "y", "z"]

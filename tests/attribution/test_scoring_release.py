@@ -10,7 +10,7 @@ from attribution_helpers import MLP
 
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
-from dattri_llm.gradient._live import GradientStreamer
+from dattri_llm.gradient.streaming import GradientStreamer
 from dattri_llm.task import AttributionTask
 
 pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from store_helpers import assert_gradients_equal, build_gradient, make_gradient, make_records
 
-import dattri_llm.gradient.datasets as datasets
+import dattri_llm.gradient.storage_manager as storage_manager
 from dattri_llm.gradient.datasets import concatenate_gradients, iter_gradient_blocks, resolve_steps
 from dattri_llm.gradient.gradient import Factorized, GradientRecord
 from dattri_llm.gradient.storage_manager import GradientStorageManager
@@ -86,8 +86,8 @@ def test_each_group_is_loaded_once(tmp_path, monkeypatch):
     fill(store)
     source = DiskGradientSource(store, make_args())
     calls = []
-    real = datasets.load_group_file
-    monkeypatch.setattr(datasets, "load_group_file", lambda p: calls.append(p) or real(p))
+    real = storage_manager.load_group_file
+    monkeypatch.setattr(storage_manager, "load_group_file", lambda p: calls.append(p) or real(p))
     assert len(list(source)) == 6
     assert len(calls) == 3
 
@@ -227,3 +227,22 @@ def test_autocast_for_and_move_batch():
     assert moved["x"] is batch["x"] and moved["y"][1] == "s" and moved["z"] == (1,)
     assert isinstance(moved["y"], list)
     assert isinstance(move_batch(Factorized, "cpu"), type)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_partly_resaved_record_is_streamed_once(tmp_path, workers):
+    """Samples saved again later are read from their newest record only, in workers too."""
+    store = GradientStorageManager(tmp_path / "store")
+    old = make_gradient("dense", seed=0, batch=3)
+    store.save_bulk([GradientRecord(step=0, input_hash=["a", "b", "c"], gradient=old)])
+    new = make_gradient("dense", seed=1, batch=1)
+    store.save_bulk([GradientRecord(step=0, input_hash=["b"], gradient=new)])
+
+    reopened = GradientStorageManager(tmp_path / "store")
+    blocks = list(DiskGradientSource(reopened, make_args(workers)))
+
+    assert sorted(i for _, _, ids in blocks for i in ids) == ["a", "b", "c"]  # "b" once
+    rows = {i: (block, k) for _, block, ids in blocks for k, i in enumerate(ids)}
+    for sample, gradient, row in (("a", old, 0), ("b", new, 0), ("c", old, 2)):
+        block, k = rows[sample]
+        assert_gradients_equal(block.slice("batch", [k]), gradient.slice("batch", [row]))

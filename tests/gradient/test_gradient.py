@@ -126,11 +126,12 @@ def test_factorized_is_frozen_identity_equal_and_hides_kwargs_in_repr():
     assert "has_bias" not in repr(f1) and "batch_first=True" in repr(f1)
 
 
-def test_factorized_to_casts_integer_factors_and_keeps_metadata():
+def test_factorized_to_keeps_integer_factors_and_metadata():
     kw = {"has_bias": False, "num_embeddings": 5, "padding_idx": None}
     f = Factorized(torch.tensor([[1, 2]]), torch.ones(1, 2, 3), kw, batch_first=False)
     moved = f.to(dtype=torch.float64)
-    assert moved.activation.dtype == torch.float64
+    assert moved.activation.dtype == torch.int64  # token ids are never cast
+    assert torch.equal(moved.activation, f.activation)
     assert moved.pre_activation_grad.dtype == torch.float64
     assert moved.module_kwargs is kw and moved.batch_first is False
     kept = f.to("cpu")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
-from kfac_helpers import conv_rows, covariances, linear_rows
+from kfac_helpers import conv_rows, covariances, linear_layer_io, linear_rows
 from torch import nn
 
 from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
@@ -94,3 +97,57 @@ def test_backward_without_forward_is_skipped():
     cov.on_layer_forward("norm", torch.randn(2, 3), "nn.LayerNorm", None)
     cov.on_layer_backward("norm", torch.randn(2, 3), "nn.LayerNorm", None)
     assert cov.result() == {}
+
+
+def _weighted_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    x, r = batch
+    return (model(x) * r).sum()
+
+
+def test_forwards_never_backpropagated_are_not_paired():
+    """Grad-enabled validation forwards before and after the training forward leave A, G alone."""
+    torch.manual_seed(0)
+    net = _Net()
+    batches = [torch.randn(2, 2, 5, 5), torch.randn(3, 2, 5, 5)]
+    weights = [torch.randn(2, 9, 4), torch.randn(3, 9, 4)]
+    io = [linear_layer_io(net, ("conv", "fc"), _weighted_loss, b) for b in zip(batches, weights)]
+    cov = KroneckerCovarianceCallback()
+    manager = HookManager(net, HookManagerConfig(linear_io=["conv", "fc", "norm"]), callbacks=[cov])
+    try:
+        with manager.collect():
+            for x, r in zip(batches, weights):
+                before = net(torch.randn(4, 2, 5, 5))  # never backpropagated
+                loss = (net(x) * r).sum()
+                after = net(10 * torch.randn(1, 2, 5, 5))  # never backpropagated
+                loss.backward()
+                assert before.requires_grad and after.requires_grad
+    finally:
+        manager.remove()
+    conv = [conv_rows(net.conv, *step["conv"]) for step in io]
+    fc = [linear_rows(*step["fc"]) for step in io]
+    got = cov.result()
+    for name, rows in (("conv", conv), ("fc", fc)):
+        A, G = covariances(torch.cat([a for a, _ in rows]), torch.cat([g for _, g in rows]))
+        torch.testing.assert_close(got[name][0], A, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[name][1], G, rtol=1e-5, atol=1e-6)
+
+
+def test_activation_of_a_forward_never_backpropagated_is_released_with_its_output():
+    torch.manual_seed(0)
+    net = _Net()
+    kept: dict[str, weakref.ref] = {}
+
+    class _Spy(CaptureCallback):
+        def on_layer_forward(self, layer_name, activation, layer_type, module_kwargs) -> None:
+            kept[layer_name] = weakref.ref(activation)
+
+    cov = KroneckerCovarianceCallback()
+    manager = HookManager(net, HookManagerConfig(linear_io=["conv", "fc"]), callbacks=[cov, _Spy()])
+    try:
+        out = net(torch.randn(2, 2, 5, 5))  # hooks fire outside collect(); no backward follows
+        assert all(ref() is not None for ref in kept.values())
+        del out
+        gc.collect()
+        assert all(ref() is None for ref in kept.values())
+    finally:
+        manager.remove()

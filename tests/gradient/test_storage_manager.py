@@ -15,6 +15,7 @@ from store_helpers import (
     KINDS,
     assert_gradients_equal,
     assert_records_equal,
+    build_gradient,
     dataset_rows,
     make_gradient,
     make_records,
@@ -26,9 +27,7 @@ import dattri_llm.gradient.storage_manager as sm
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
 from dattri_llm.gradient.storage_manager import (
     DISK_FORMATS,
-    FORMAT_VERSION,
     GradientStorageManager,
-    load_group_file,
     projection_record,
 )
 from dattri_llm.utils.hashing import hash_sample
@@ -74,7 +73,7 @@ def check_round_trip(root: Path, fmt: str, kind: str, per: bool) -> None:
     store = GradientStorageManager(case_dir(root, fmt, kind, per))
     groups = make_records(kind, per)
     assert store.locations() == [
-        f"group_{k:08d}{'.mmap' if fmt == 'memmap' else '.pt'}" for k in range(3)
+        f"batch_{k:06d}{'.mmap' if fmt == 'memmap' else '.pt'}" for k in range(3)
     ]
     for location, group in zip(store.locations(), groups):
         loaded = store.load_records(location)
@@ -120,7 +119,7 @@ def test_lookup_and_load_semantics(written_stores, fmt):
     assert_records_equal(whole, record)
     with pytest.raises(KeyError, match=r"available \(step, sample_idx\): \[\(3, 2\)\]"):
         store.load_sample_by_hash("id3_2", 3, 0)
-    with pytest.raises(KeyError, match="not in gradient store"):
+    with pytest.raises(KeyError, match="'nope' not in index"):
         store.lookup_by_hash("nope")
     with pytest.raises(KeyError):
         store.load_all_by_hash("nope")
@@ -185,17 +184,19 @@ def test_memmap_reads_are_copy_on_write_views(tmp_path):
     assert torch.equal(again, before)
 
 
-def test_non_json_module_kwargs_fall_back_to_pickle(tmp_path):
+def test_module_kwargs_with_dtypes_stay_memmap(tmp_path):
+    """The ``.mmap.meta`` file is a weights-only ``torch.save``: dtypes and tuples round-trip."""
+    kwargs = {"dtype": torch.float16, "kernel_size": (2, 2)}
     g = Gradient(
         {"lin": "factorized"},
-        {"lin": Factorized(torch.ones(2, 3), torch.ones(2, 4), {"dtype": torch.float16})},
+        {"lin": Factorized(torch.ones(2, 3), torch.ones(2, 4), kwargs)},
         {"lin": "nn.Linear"},
     )
     store = GradientStorageManager(tmp_path / "s")
     location = store.save_bulk([GradientRecord(0, ["a", "b"], g)])
-    assert location.endswith(".pt")
+    assert location.endswith(".mmap")
     [got] = GradientStorageManager(tmp_path / "s").load_records(location)
-    assert got.gradient.data["lin"].module_kwargs == {"dtype": torch.float16}
+    assert got.gradient.data["lin"].module_kwargs == kwargs
 
 
 def test_sample_id_key_lookups(tmp_path):
@@ -216,24 +217,22 @@ def test_sample_id_key_lookups(tmp_path):
 
 
 def test_rank_directories_are_merged(tmp_path, monkeypatch):
-    import dattri_llm.utils.distributed as dist
-
     root = tmp_path / "s"
     GradientStorageManager(root).save_bulk([GradientRecord(0, ["a"], make_gradient("dense", 0, 1))])
     for rank in (1, 0):
-        monkeypatch.setattr(dist, "dist_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(sm, "dist_rank", lambda rank=rank: rank)
         store = GradientStorageManager(root)
         assert store._write_dir is None  # resolved at the first save, not at construction
         location = store.save_bulk(
             [GradientRecord(10 + rank, [f"r{rank}"], make_gradient("dense", rank, 1))]
         )
-        assert location == f"rank_{rank}/group_00000000.mmap"
-    monkeypatch.setattr(dist, "dist_rank", lambda: None)
+        assert location == f"rank_{rank}/batch_000000.mmap"
+    monkeypatch.setattr(sm, "dist_rank", lambda: None)
     merged = GradientStorageManager(root)
     assert merged.locations() == [
-        "group_00000000.mmap",
-        "rank_0/group_00000000.mmap",
-        "rank_1/group_00000000.mmap",
+        "batch_000000.mmap",
+        "rank_0/batch_000000.mmap",
+        "rank_1/batch_000000.mmap",
     ]
     assert merged.available_steps() == [0, 10, 11]
     assert_gradients_equal(merged.load_sample_by_hash("r1", 11, 0), make_gradient("dense", 1, 1))
@@ -241,30 +240,11 @@ def test_rank_directories_are_merged(tmp_path, monkeypatch):
 
 def test_reopen_and_append_continues_numbering(tmp_path):
     root = tmp_path / "s"
-    GradientStorageManager(root).save(GradientRecord(0, "a", make_gradient("dense", 0, 1)))
+    GradientStorageManager(root).save_bulk([GradientRecord(0, "a", make_gradient("dense", 0, 1))])
     store = GradientStorageManager(root)
-    assert store.save(GradientRecord(1, "b", make_gradient("dense", 1, 1))) == "group_00000001.mmap"
+    record = GradientRecord(1, "b", make_gradient("dense", 1, 1))
+    assert store.save_bulk([record]) == "batch_000001.mmap"
     assert GradientStorageManager(root).available_steps() == [0, 1]
-
-
-def test_sidecar_and_log_contents(tmp_path):
-    root = tmp_path / "s"
-    store = GradientStorageManager(root)
-    store.declare_gradient_accumulation_steps(3)
-    assert not root.exists()  # created on the first save
-    store.save_bulk([GradientRecord(5, ["a", "b"], make_gradient("dense", 0, 2))])
-    sidecar = json.loads((root / "store.json").read_text())
-    assert sidecar == {
-        "format_version": FORMAT_VERSION,
-        "sample_id_key": None,
-        "gradient_accumulation_steps": 3,
-    }
-    [line] = (root / "index.jsonl").read_text().splitlines()
-    assert json.loads(line) == {
-        "file": "group_00000000.mmap",
-        "records": [{"idx": 0, "step": 5, "ids": ["a", "b"]}],
-    }
-    assert GradientStorageManager(root).gradient_accumulation_steps == 3
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -277,28 +257,15 @@ def test_save_dir_that_is_a_file(tmp_path):
         GradientStorageManager(path)
 
 
-def test_other_format_version_is_rejected(tmp_path, monkeypatch):
-    root = tmp_path / "s"
-    monkeypatch.setattr(sm, "FORMAT_VERSION", FORMAT_VERSION + 1)
-    location = GradientStorageManager(root).save(
-        GradientRecord(0, "a", make_gradient("dense", 0, 1))
-    )
-    monkeypatch.setattr(sm, "FORMAT_VERSION", FORMAT_VERSION)
-    with pytest.raises(ValueError, match=rf"store\.json.*version {FORMAT_VERSION + 1}.*version "):
-        GradientStorageManager(root)
-    group = root / location
-    with pytest.raises(ValueError, match=rf"{group.name}.*version {FORMAT_VERSION + 1}"):
-        load_group_file(group)
-
-
-def test_pickle_group_header_mismatch_is_detected(tmp_path):
-    store = GradientStorageManager(tmp_path / "s", disk_format="pickle")
+def test_other_memmap_format_is_rejected(tmp_path):
+    store = GradientStorageManager(tmp_path / "s")
     location = store.save(GradientRecord(0, "a", make_gradient("dense", 0, 1)))
-    path = store.save_dir / location
-    payload = torch.load(path, weights_only=False)
-    payload["tensors"][0] = torch.zeros(2, 6)
-    torch.save(payload, path)
-    with pytest.raises(ValueError, match="layer 'dense'.*corrupt"):
+    meta_path = store.save_dir / (location + ".meta")
+    meta = torch.load(meta_path, weights_only=True)
+    torch.save({**meta, "format": 3}, meta_path)
+    with pytest.raises(
+        ValueError, match=r"\.mmap\.meta has format 3.*reads memmap groups of format 2"
+    ):
         store.load_records(location)
 
 
@@ -310,15 +277,22 @@ def test_list_hash_must_match_batch_size(tmp_path):
 
 
 @pytest.mark.parametrize("residency", ["disk", "memory"])
-def test_single_identifier_record_must_hold_one_sample(tmp_path, residency):
+def test_single_identifier_record_may_hold_a_batch(tmp_path, residency):
+    """compat.md §1: one string identifier with batch size > 1 is indexed once and read whole."""
     store = GradientStorageManager(tmp_path / "s", residency=residency)
-    record = GradientRecord(4, "a", make_gradient("dense", 0, 3))
-    with pytest.raises(ValueError, match=r"records\[0\] \(step 4\).*'a'.*batch size 3.*list"):
-        store.save(record)
-    with pytest.raises(ValueError, match="one identifier per sample"):
-        store.save_bulk([GradientRecord(4, "b", make_gradient("dense", 0, 1)), record])
-    assert store.index == {}
-    assert store.available_steps() == []
+    whole = make_gradient("dense", 0, 3)
+    store.save(GradientRecord(4, "a", whole))
+    store.save_bulk(
+        [GradientRecord(5, "b", make_gradient("dense", 1, 1)), GradientRecord(5, "c", whole)]
+    )
+    assert store.lookup_by_hash("a") == [(4, 0)] and store.lookup_by_hash("c") == [(5, 0)]
+    [record] = store.load_all_by_hash("a")
+    assert record.input_hash == "a"
+    assert_gradients_equal(record.gradient, whole)
+    assert_gradients_equal(store.load_sample_by_hash("a", 4, 0), whole.slice("batch", 0))
+    if residency == "disk":
+        [reopened] = GradientStorageManager(tmp_path / "s").load_all_by_hash("c")
+        assert_gradients_equal(reopened.gradient, whole)
 
 
 def test_save_rejects_list_hash_and_empty_bulk(tmp_path):
@@ -364,8 +338,8 @@ def test_gradient_accumulation_declarations(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"residency": "ssd"}, "unknown residency 'ssd'"),
-        ({"disk_format": "npz"}, "unknown disk_format 'npz'"),
+        ({"residency": "ssd"}, r"unknown residency 'ssd'; it must be one of \['disk'"),
+        ({"disk_format": "npz"}, r"disk_format 'npz'; it must be one of \['pickle', 'memmap'\]"),
         ({"budget_bytes": -1}, "budget_bytes"),
     ],
 )
@@ -420,8 +394,14 @@ def test_tiered_residency_spills_oldest_and_cleans_up(tmp_path, fmt):
     store = GradientStorageManager(root, residency="tiered", budget_bytes=nbytes, disk_format=fmt)
     locations = [store.save_bulk(g) for g in groups]
     assert store.resident_bytes <= nbytes
-    spilled = [p for p in root.iterdir() if p.name.startswith(".spill_")]
-    assert len(spilled) == 1 and len(list(spilled[0].iterdir())) >= 2
+    [spill] = [p for p in root.iterdir() if p.name.startswith("tiered_spill_")]
+    suffix = ".mmap" if fmt == "memmap" else ".pt"
+    # the two oldest groups spilled as entry_<seq>, their index entries re-pointed there
+    assert store.locations() == [f"{spill.name}/entry_{k:08d}{suffix}" for k in (0, 1)] + [
+        "mem_00000002"
+    ]
+    assert store.index["id0_0"][0]["file"] == f"{spill.name}/entry_00000000{suffix}"
+    locations = store.locations()
     for location, group in zip(locations, groups):
         for got, want in zip(store.load_records(location), group):
             assert_records_equal(got, want)
@@ -429,9 +409,12 @@ def test_tiered_residency_spills_oldest_and_cleans_up(tmp_path, fmt):
     assert not root.exists()  # created only for the spill
 
 
-def test_tiered_default_budget_is_half_available_ram(tmp_path, monkeypatch):
-    monkeypatch.setattr(sm, "available_host_bytes", lambda: 1000)
-    assert GradientStorageManager(tmp_path, residency="tiered").budget_bytes == 500
+def test_tiered_default_budget_is_half_total_ram(tmp_path):
+    with open("/proc/meminfo") as fh:
+        total_kib = next(int(line.split()[1]) for line in fh if line.startswith("MemTotal:"))
+    budget = GradientStorageManager(tmp_path, residency="tiered").budget_bytes
+    # MemTotal excludes a little firmware/kernel memory that the page count includes
+    assert total_kib * 1024 // 2 <= budget <= total_kib * 1024 // 2 * 1.1
 
 
 def test_two_managers_on_one_directory_never_overwrite(tmp_path):
@@ -458,6 +441,9 @@ def custom_factory(feature, feature_batch_size, proj_dim, **kwargs):
     raise AssertionError("not called")
 
 
+BUILTIN = "dattri_llm.gradient.ops.projection.random_project"
+
+
 def test_projection_record_resolves_defaults():
     from dattri_llm.gradient.ops.projection import DattriProjector, random_project
 
@@ -477,6 +463,7 @@ def test_projection_record_resolves_defaults():
             "proj_seed": 0,
             "include_bias": True,
             "proj_max_batch_size": 16,
+            "projector": BUILTIN,
             "proj_type": "normal",
         },
         "__default__": {
@@ -484,6 +471,7 @@ def test_projection_record_resolves_defaults():
             "proj_dim": 4,
             "proj_seed": 0,
             "include_bias": True,
+            "projector": BUILTIN,
             "proj_type": "normal",
         },
     }
@@ -492,7 +480,7 @@ def test_projection_record_resolves_defaults():
     assert mask == {
         "__default__": {"style": "mask", "proj_dim": 3, "proj_seed": 2, "include_bias": True}
     }
-    # the default factory (bare or wrapped) is not recorded; another factory is, by name
+    # dattri is not installed: the default factory (bare or wrapped) is the built-in one
     for default in (random_project, DattriProjector(), DattriProjector(random_project)):
         assert projection_record(LOGRA, default) == projection_record(LOGRA)
     custom = projection_record(LOGRA, DattriProjector(custom_factory))
@@ -512,8 +500,7 @@ def test_projection_declaration_persisted_and_reopened(tmp_path):
     assert store.projection == projection_record(LOGRA)
     assert not root.exists()  # written with the first save
     store.save_bulk([GradientRecord(0, ["a", "b"], make_gradient("dense", 0, 2))])
-    sidecar = json.loads((root / "store.json").read_text())
-    assert sidecar["projection"] == projection_record(LOGRA)
+    assert json.loads((root / "projection.json").read_text()) == projection_record(LOGRA)
     reopened = GradientStorageManager(root)
     assert reopened.projection == projection_record(LOGRA)
     other = {"__default__": {**LOGRA["__default__"], "proj_seed": 1}}
@@ -537,12 +524,12 @@ def test_unprojected_declaration(tmp_path):
 
 def test_conflicting_rank_projections(tmp_path):
     for rank, seed in ((0, 0), (1, 1)):
-        (tmp_path / f"rank_{rank}").mkdir()
-        settings = {
-            "format_version": FORMAT_VERSION,
-            "projection": projection_record({"__default__": {"proj_dim": 4, "proj_seed": seed}}),
-        }
-        (tmp_path / f"rank_{rank}" / "store.json").write_text(json.dumps(settings))
+        directory = tmp_path / f"rank_{rank}"
+        directory.mkdir()
+        (directory / "index.jsonl").write_text("")
+        (directory / "index_meta.json").write_text(json.dumps({"sample_id_key": None}))
+        record = projection_record({"__default__": {"proj_dim": 4, "proj_seed": seed}})
+        (directory / "projection.json").write_text(json.dumps(record))
     with pytest.raises(ValueError, match=r"rank_1.*declares projection.*'proj_seed': 1"):
         GradientStorageManager(tmp_path)
 
@@ -555,4 +542,213 @@ def test_projection_declaration_in_ram(tmp_path, residency):
         assert store.projection == projection_record(LOGRA)
         with pytest.raises(ValueError, match="cannot declare"):
             store.declare_projection(None)
-        assert not (tmp_path / "store.json").exists()
+        assert not (tmp_path / "projection.json").exists()
+
+
+def test_projection_factory_in_use_is_recorded_and_mismatch_refused(tmp_path, monkeypatch):
+    """Stores made with the built-in and with dattri's default factory do not score together."""
+    import types
+
+    import dattri_llm.gradient.ops.projection as projection
+    from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+    from dattri_llm.attribution.arguments import AttributionArguments
+
+    stand_in = types.ModuleType("dattri.func.projection")  # dattri is not installed here
+    exec("def random_project(*args, **kwargs):\n    raise AssertionError", stand_in.__dict__)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    for name, factory in (
+        ("builtin", projection.random_project),
+        ("dattri", stand_in.random_project),
+    ):
+        monkeypatch.setattr(projection, "_default_factory", lambda factory=factory: factory)
+        store = GradientStorageManager(tmp_path / name)
+        store.declare_projection(LOGRA)  # projector=None: the default factory in use
+        layers = {"lin": ("materialized", "nn.Linear", "batch", x)}
+        store.save_bulk([GradientRecord(0, ["a", "b"], build_gradient(layers))])
+    assert GradientStorageManager(tmp_path / "builtin").projection["__default__"]["projector"] == (
+        BUILTIN
+    )
+    assert GradientStorageManager(tmp_path / "dattri").projection["__default__"]["projector"] == (
+        "dattri.func.projection.random_project"
+    )
+    attributor = TracInAttributor(AttributionArguments(output_dir=str(tmp_path), use_cpu=True))
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'lin'.*projector='dattri_llm\.gradient\.ops\.projection\.random_project'"
+        r".*projector='dattri\.func\.projection\.random_project'",
+    ):
+        attributor.attribute_from_cache(tmp_path / "builtin", tmp_path / "dattri")
+    attributor.attribute_from_cache(tmp_path / "builtin", tmp_path / "builtin")
+
+
+# ------------------------------------------------------------------------ one occurrence per pair
+
+
+def capture_twice(root: Path, residency: str = "disk", reopen: bool = True):
+    """Save the same three groups twice (second run with other data); return the store."""
+    store = GradientStorageManager(root, residency=residency)
+    for seed in (0, 1):
+        if reopen and residency == "disk":
+            store = GradientStorageManager(root)
+        for group in make_records("mixed", False, seed=seed):
+            store.save_bulk(group)
+    return store
+
+
+@pytest.mark.parametrize(
+    ("residency", "reopen"), [("disk", True), ("disk", False), ("memory", False)]
+)
+def test_recapture_replaces_earlier_occurrences(tmp_path, residency, reopen):
+    root = tmp_path / "s"
+    store = capture_twice(root, residency, reopen)
+    stores = [store] + ([GradientStorageManager(root)] if residency == "disk" else [])
+    newest = make_records("mixed", False, seed=1)
+    for s in stores:
+        assert s.lookup_by_hash("id3_2") == [(3, 2)]  # once, not twice
+        assert len(s.index["id3_2"]) == 1
+        assert_gradients_equal(
+            s.load_sample_by_hash("id3_2", 3, 2), newest[1][1].gradient.slice("batch", 2)
+        )
+        [whole] = s.load_all_by_hash("id3_2")
+        assert_records_equal(whole, newest[1][1])
+        # readers see one copy: the newest groups only
+        assert s.available_steps() == [0, 1, 2, 3, 4, 5]
+        plan = s.iter_steps(range(6))
+        assert [loc for loc, _ in plan] == s.locations() and len(plan) == 3
+        blocks = [r for loc, _ in plan for r in s.load_records(loc)]
+        for got, want in zip(blocks, [r for g in newest for r in g]):
+            assert_records_equal(got, want)
+    if residency == "memory":
+        assert store.resident_bytes == sum(r.gradient.nbytes for g in newest for r in g)
+
+
+def test_recapture_leaves_scores_unchanged(tmp_path):
+    from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+    from dattri_llm.attribution.arguments import AttributionArguments
+
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+
+    def capture(root: Path) -> None:
+        store = GradientStorageManager(root)
+        for start in (0, 2, 4):
+            rows = x[start : start + 2]
+            layers = {"lin": ("materialized", "nn.Linear", "batch", rows)}
+            ids = [f"s{start + i}" for i in range(rows.shape[0])]
+            store.save_bulk([GradientRecord(start, ids, build_gradient(layers))])
+
+    for _ in range(2):
+        capture(tmp_path / "train")
+    capture(tmp_path / "test")
+    attributor = TracInAttributor(AttributionArguments(output_dir=str(tmp_path), use_cpu=True))
+    score = attributor.attribute_from_cache(tmp_path / "train", tmp_path / "test")
+    assert score.row_train_ids == [f"s{i}" for i in range(5)]
+    torch.testing.assert_close(score.scores, x @ x.T)  # not doubled
+
+
+def test_save_of_the_same_pair_replaces_in_place(tmp_path):
+    root = tmp_path / "s"
+    first, second = make_gradient("dense", 0, 1), make_gradient("dense", 1, 1)
+    assert GradientStorageManager(root).save(GradientRecord(2, "k", first)) == "step_000002_k.mmap"
+    store = GradientStorageManager(root)
+    assert store.save(GradientRecord(2, "k", second)) == "step_000002_k.mmap"
+    store.save(GradientRecord(3, "k", first))  # a new step is appended
+    for s in (store, GradientStorageManager(root)):
+        assert s.lookup_by_hash("k") == [(2, 0), (3, 0)]
+        assert_gradients_equal(s.load_sample_by_hash("k", 2, 0), second)
+        assert len(s.locations()) == 2
+
+
+def test_resaving_part_of_a_batch_keeps_the_other_samples_once(tmp_path):
+    root = tmp_path / "s"
+    old, new = make_gradient("dense", 0, 3), make_gradient("dense", 1, 2)
+    store = GradientStorageManager(root)
+    old_location = store.save_bulk([GradientRecord(0, ["a", "b", "c"], old)])
+    store.save_bulk([GradientRecord(0, ["b", "d"], new)])
+    for s in (store, GradientStorageManager(root)):
+        assert s.lookup_by_hash("b") == [(0, 0)]
+        [kept] = s.load_records(old_location)
+        assert kept.input_hash == ["a", "c"]
+        assert_gradients_equal(kept.gradient, old.slice("batch", [0, 2]))
+        rows = [h for loc, _ in s.iter_steps(0) for r in s.load_records(loc) for h in r.input_hash]
+        assert sorted(rows) == ["a", "b", "c", "d"]
+        assert_gradients_equal(s.load_sample_by_hash("b", 0, 0), new.slice("batch", 0))
+
+
+def test_unknown_identifier_message_lists_the_index(tmp_path):
+    store = GradientStorageManager(tmp_path / "s")
+    store.save_bulk([GradientRecord(1, ["a", "b"], make_gradient("dense", 0, 2))])
+    with pytest.raises(KeyError, match=r"'zz' not in index.*e\.g\. \['a', 'b'\].*steps \[1\]"):
+        store.load_sample_by_hash("zz", 1, 0)
+    with pytest.raises(
+        KeyError, match=r"not in index; available \(step, sample_idx\): \[\(1, 0\)\]"
+    ):
+        store.load_sample_by_hash("a", 2, 0)
+
+
+def test_identifiers_are_made_file_system_safe_only_in_names(tmp_path):
+    store = GradientStorageManager(tmp_path / "s")
+    names = ["../up", "a/b", "a%2Fb", "ü"]
+    locations = [
+        store.save(GradientRecord(0, n, make_gradient("dense", k, 1))) for k, n in enumerate(names)
+    ]
+    assert len(set(locations)) == 4 and all("/" not in loc for loc in locations)
+    assert not (tmp_path / "up.mmap.bin").exists()
+    reopened = GradientStorageManager(tmp_path / "s")
+    for k, n in enumerate(names):
+        assert_gradients_equal(reopened.load_sample_by_hash(n, 0, 0), make_gradient("dense", k, 1))
+
+
+# ---------------------------------------------------------------------------- concurrent writers
+
+
+def test_writer_racing_another_one_never_overwrites_its_group(tmp_path, monkeypatch):
+    """B saves while A writes its first group: both groups survive (names claimed exclusively)."""
+    root = tmp_path / "s"
+    a, b = GradientStorageManager(root), GradientStorageManager(root)
+    real_write = sm.atomic_write
+    raced = []
+
+    def racing_write(path, write):
+        if not raced and Path(path).name.startswith(("batch_", "group_")):
+            # A has picked its group file name and is writing it: B saves now
+            raced.append(path)
+            b.save_bulk([GradientRecord(1, ["b"], make_gradient("dense", 1, 1))])
+        return real_write(path, write)
+
+    monkeypatch.setattr(sm, "atomic_write", racing_write)
+    a.save_bulk([GradientRecord(0, ["a"], make_gradient("dense", 0, 1))])
+    merged = GradientStorageManager(root)
+    assert len(merged.locations()) == 2
+    for h, step in (("a", 0), ("b", 1)):
+        assert_gradients_equal(
+            merged.load_sample_by_hash(h, step, 0), make_gradient("dense", step, 1)
+        )
+
+
+@pytest.mark.slow
+def test_two_processes_writing_one_directory(tmp_path):
+    root = tmp_path / "s"
+    code = """
+        from dattri_llm.gradient.gradient import GradientRecord
+        from dattri_llm.gradient.storage_manager import GradientStorageManager
+        from store_helpers import make_gradient
+        store = GradientStorageManager(r"{root}", disk_format="{fmt}")
+        for step in range({start}, {start} + 25):
+            store.save_bulk([GradientRecord(step, [f"s{{step}}"], make_gradient("dense", step, 1))])
+    """
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code.format(root=root, fmt=fmt, start=start))],
+            env=env,
+        )
+        for fmt, start in (("memmap", 0), ("pickle", 100))
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    merged = GradientStorageManager(root)
+    steps = list(range(25)) + list(range(100, 125))
+    assert merged.available_steps() == steps and len(merged.locations()) == 50
+    for step in steps:
+        assert_gradients_equal(
+            merged.load_sample_by_hash(f"s{step}", step, 0), make_gradient("dense", step, 1)
+        )

@@ -83,7 +83,7 @@ def test_truncated_last_log_line_is_ignored_with_warning(tmp_path):
     log = root / INDEX_FILE
     data = log.read_bytes()
     log.write_bytes(data[: len(data) - 15])  # cut into the last line
-    (root / ".group_00000009.mmap.abc.tmp").write_bytes(b"partial")  # an interrupted write
+    (root / ".batch_000009.mmap.bin.abc.tmp").write_bytes(b"partial")  # an interrupted write
     with pytest.warns(UserWarning, match="truncated last line"):
         reopened = GradientStorageManager(root)
     assert reopened.available_steps() == [0, 1]
@@ -91,15 +91,19 @@ def test_truncated_last_log_line_is_ignored_with_warning(tmp_path):
         [got] = reopened.load_records(location)
         assert_records_equal(got, crash_record(got.step))
     # appending repairs the tail; the orphaned group file is never reused
-    assert reopened.save_bulk([crash_record(2)]) == "group_00000003.mmap"
+    assert reopened.save_bulk([crash_record(2)]) == "batch_000003.mmap"
     assert check_store(root) == 3
 
 
-def test_corrupt_middle_line_is_an_error(tmp_path):
+def test_undecodable_line_stops_reading_that_log_with_warning(tmp_path):
+    """compat.md §1: a line that fails to decode warns and stops the reading of that log."""
     root = tmp_path / "store"
     store = GradientStorageManager(root)
-    store.save_bulk([crash_record(0)])
+    for step in range(3):
+        store.save_bulk([crash_record(step)])
     log = root / INDEX_FILE
-    log.write_bytes(b"{not json\n" + log.read_bytes())
-    with pytest.raises(ValueError, match="line 1 is not valid JSON"):
-        GradientStorageManager(root)
+    lines = log.read_bytes().split(b"\n")
+    log.write_bytes(b"\n".join([lines[0], b"{not json", *lines[1:]]))
+    with pytest.warns(UserWarning, match="ignoring line 2 and anything after it"):
+        reopened = GradientStorageManager(root)
+    assert reopened.available_steps() == [0]

@@ -10,10 +10,11 @@ from reference import call, per_sample_param_grads
 from torch import nn
 
 from dattri_llm.attribution.arguments import AttributionArguments
-from dattri_llm.gradient._live import GradientStreamer, fsdp_wrap_kwargs, unscale_gradient
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.hooks.manager import HookManager
+from dattri_llm.gradient.streaming import GradientStreamer
+from dattri_llm.gradient.wrapping import fsdp_wrap_kwargs, unscale_gradient
 from dattri_llm.utils.hashing import hash_sample
 
 N_SAMPLES = 10
@@ -472,8 +473,42 @@ def test_non_scalar_loss_names_the_batch(tmp_path):
     def per_sample(model, batch):
         return ((model(batch["x"]) - batch["y"]) ** 2).sum(1)
 
-    with pytest.raises(ValueError, match=r"\(4,\) for batch 0"):
+    with pytest.raises(ValueError, match=r"\(4,\) for training batch 0") as error:
         run_once(tmp_path, per_sample)
+    message = str(error.value)
+    assert ".sum()" in message and "B times smaller" in message
+    assert "or .mean()" not in message  # the mean is not an equivalent reduction
+
+
+def test_loss_errors_name_a_query_batch(tmp_path):
+    def nan_on_second(model, batch):
+        loss = sum_loss(model, batch)
+        return loss * float("nan") if batch["x"][0, 0] == make_data()[4]["x"][0] else loss
+
+    streamer = GradientStreamer(
+        make_net(), make_data(), make_args(tmp_path), batch_size=4, loss_fn=nan_on_second
+    )
+    streamer.role = "query"
+    with streamer, pytest.raises(ValueError, match="non-finite.*for query batch 1"):
+        list(streamer)
+
+
+def _nonscalar(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).sum(1)
+
+
+@pytest.mark.parametrize(
+    ("train_loss", "query_loss", "expected"),
+    [(_nonscalar, sum_loss, "training batch 0"), (sum_loss, _nonscalar, "query batch 0")],
+)
+def test_attributor_loss_error_says_training_or_query(tmp_path, train_loss, query_loss, expected):
+    from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+    from dattri_llm.task import AttributionTask
+
+    args = make_args(tmp_path, per_device_train_batch_size=4, per_device_eval_batch_size=4)
+    task = AttributionTask(train_loss, make_net(), target_func=query_loss)
+    with pytest.raises(ValueError, match=rf"\(4,\) for {expected};"):
+        TracInAttributor(args, task=task).attribute(make_data(), make_data()[:4])
 
 
 def test_non_finite_loss_names_the_batch(tmp_path):
@@ -486,9 +521,16 @@ def test_non_finite_loss_names_the_batch(tmp_path):
 
 
 def test_default_loss_needs_dict_batch(tmp_path):
-    data = [torch.randn(3) for _ in range(4)]
-    with pytest.raises(TypeError, match="dict batch"):
-        run_once(tmp_path, None, data=data)
+    # Dict samples (the accepted kind) that a collate turns into a tuple batch.
+    streamer = GradientStreamer(
+        make_net(),
+        make_data(),
+        make_args(tmp_path),
+        batch_size=4,
+        collate_fn=lambda rows: (torch.stack([r["x"] for r in rows]),),
+    )
+    with streamer, pytest.raises(TypeError, match="dict batch"):
+        list(streamer)
 
 
 def test_batch_without_record_raises(tmp_path):
@@ -624,6 +666,29 @@ def test_fsdp_size_policy_wraps_modules_over_the_threshold(tmp_path):
     net = make_net()
     assert wraps(policy, net[0], unwrapped_numel=16)
     assert not wraps(policy, net[2], unwrapped_numel=10)
+
+
+def test_build_auto_wrap_policy_contract():
+    # The name user code imports from streaming.py: pops its keys, both → error, an explicit
+    # policy or neither key → None.
+    from dattri_llm.gradient.streaming import _build_auto_wrap_policy
+
+    net = make_net()
+    config = {"transformer_layer_cls_to_wrap": "Linear", "sync_module_states": True}
+    policy = _build_auto_wrap_policy(net, config)
+    assert wraps(policy, net[0]) and not wraps(policy, net[1])
+    assert config == {"sync_module_states": True}
+    config = {"min_num_params": 12}
+    assert wraps(_build_auto_wrap_policy(net, config), net[0], unwrapped_numel=16)
+    assert config == {}
+    assert _build_auto_wrap_policy(net, {}) is None
+    explicit = {"auto_wrap_policy": object(), "min_num_params": 12}
+    assert _build_auto_wrap_policy(net, explicit) is None and "min_num_params" not in explicit
+    both = {"transformer_layer_cls_to_wrap": ["Linear"], "min_num_params": 5}
+    with pytest.raises(ValueError, match="set one of them, not both"):
+        _build_auto_wrap_policy(net, both)
+    with pytest.raises(ValueError, match="GPT2Block"):
+        _build_auto_wrap_policy(net, {"transformer_layer_cls_to_wrap": ["GPT2Block"]})
 
 
 class NoSplit(nn.Sequential):

@@ -27,28 +27,59 @@ term and the cross-site terms are dropped.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import pickle
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from dattri_llm.attribution.base import BaseInnerProductAttributor
+from dattri_llm.attribution.utils import normalize_layer_names
+from dattri_llm.gradient.callbacks.kronecker_covariance_callback import (
+    KroneckerCovarianceCallback,
+)
+from dattri_llm.gradient.gradient import Factorized
+from dattri_llm.gradient.ops.kronecker import (
+    FisherAccumulator,
+    KroneckerAccumulator,
+    damping_for,
+    dense_inverse,
+    ekfac_materialize,
+    ekfac_precondition,
+    kfac_eigh,
+    kfac_precondition,
+    kfac_precondition_materialized,
+    kfac_rows,
+    sym_inverse,
+)
+from dattri_llm.gradient.ops.materialize import materialize
+from dattri_llm.gradient.ops.types import (
+    is_conv_transpose,
+    is_embedding,
+    is_kfac_eligible,
+    is_norm,
+)
+from dattri_llm.gradient.storage_manager import GradientStorageManager
+from dattri_llm.utils.atomic import atomic_torch_save
+from dattri_llm.utils.cache import CACHE_RESIDENCIES, TensorCache
+from dattri_llm.utils.distributed import all_reduce_sum
 
 if TYPE_CHECKING:
     from torch import nn
 
     from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.attribution.score import AttributionScore
-    from dattri_llm.gradient._live import GradientStreamer
     from dattri_llm.gradient.gradient import Gradient
     from dattri_llm.gradient.hooks.config import HookManagerConfig
-    from dattri_llm.gradient.ops.kronecker import FisherAccumulator
-    from dattri_llm.gradient.storage_manager import GradientStorageManager
-    from dattri_llm.gradient.streaming import GradientSource
+    from dattri_llm.gradient.streaming import GradientSource, GradientStreamer
     from dattri_llm.options import EKFACMode
 
 FISHER_FILE = "fisher_factors.pt"
@@ -59,7 +90,7 @@ EKFAC_MODES = ("exact", "approx")
 Covariances = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def _dense_rows(value: torch.Tensor) -> torch.Tensor:
+def _token_summed_rows(value: torch.Tensor) -> torch.Tensor:
     """A dense payload as ``(B, d)`` rows (``(B, T, d)`` summed over tokens)."""
     return value.sum(dim=1) if value.dim() == 3 else value.reshape(value.shape[0], -1)
 
@@ -67,6 +98,89 @@ def _dense_rows(value: torch.Tensor) -> torch.Tensor:
 def _layer_error(name: str, error: ValueError) -> ValueError:
     """``error`` re-raised with the layer name in front."""
     return ValueError(f"layer {name!r}: {error}")
+
+
+def _store_selection(
+    store: GradientStorageManager, steps: Iterable[int] | None = None
+) -> dict[str, Any]:
+    """``{"steps", "rows", "projection"}`` of the store rows a call reads.
+
+    ``steps`` (``None`` = all) filters the stored steps; ``rows`` counts the
+    indexed (identifier, step) rows of the kept steps; ``projection`` is the
+    store's declared projection as canonical JSON.
+    """
+    counts: dict[int, int] = {}
+    for occurrences in store.index.values():
+        for entry in occurrences:
+            step = int(entry["step"])
+            counts[step] = counts.get(step, 0) + 1
+    kept = sorted(counts) if steps is None else sorted(set(counts) & set(steps))
+    return {
+        "steps": kept,
+        "rows": sum(counts[step] for step in kept),
+        "projection": json.dumps(store.projection, sort_keys=True),
+    }
+
+
+def _recorded_meta(store: GradientStorageManager, covariances: Covariances) -> dict[str, Any]:
+    """What covariances recorded while collecting ``store`` cover (rows summed over ranks)."""
+    meta = _store_selection(store)
+    rows = torch.tensor([float(meta["rows"])], dtype=torch.float64)
+    meta["rows"] = int(all_reduce_sum(rows).item())
+    meta["layers"] = sorted(covariances)
+    return meta
+
+
+def _covariance_mismatch(
+    payload: Any, store: GradientStorageManager, steps: Iterable[int] | None
+) -> str | None:
+    """Why recorded covariances do not cover the rows a call reads from ``store`` (``None``: ok)."""
+    if isinstance(payload, Mapping) and "unreadable" in payload:
+        return payload["unreadable"]
+    meta = payload.get("meta") if isinstance(payload, Mapping) else None
+    if not isinstance(meta, Mapping) or not isinstance(payload.get("covariances"), Mapping):
+        return "records no steps, rows or projection (written by an older version)"
+    selected = _store_selection(store, steps)
+    for key in ("steps", "rows", "projection"):
+        if meta.get(key) != selected[key]:
+            return (
+                f"was recorded for {key}={meta.get(key)!r} while this call reads "
+                f"{key}={selected[key]!r} from the store"
+            )
+    return None
+
+
+@dataclass(frozen=True)
+class _RecordedCovariances:
+    """Covariances recorded while collecting one train store, bound to that store.
+
+    ``payload`` is ``{"meta": ..., "covariances": {layer: (A, G)}}`` as written
+    to ``kronecker_covariances.pt``. The store is held weakly (a memory store
+    is not kept alive); a disk store also matches by directory.
+    """
+
+    store: weakref.ref
+    save_dir: Path
+    residency: str
+    payload: dict[str, Any]
+
+    @classmethod
+    def of(cls, store: GradientStorageManager, payload: dict[str, Any]) -> _RecordedCovariances:
+        """Bind ``payload`` to ``store``."""
+        return cls(weakref.ref(store), _resolved(store.save_dir), store.residency, payload)
+
+    def belongs_to(self, store: GradientStorageManager) -> bool:
+        """Whether ``store`` is the store (or the disk directory) these were recorded for."""
+        if self.store() is store:
+            return True
+        return (
+            self.residency == "disk" == store.residency
+            and _resolved(store.save_dir) == self.save_dir
+        )
+
+
+def _resolved(path: str | Path) -> Path:
+    return Path(path).expanduser().resolve()
 
 
 class KroneckerAttributor(BaseInnerProductAttributor):
@@ -99,9 +213,16 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         self._capture_callback: Any = None
         self._warned: set[str] = set()
         # covariances recorded while attribute()/cache() collect the train side
+        # covariances recorded while attribute()/cache() collect the train side: the
+        # callback of the running collection, then its payload bound to the store it
+        # was recorded for (never adopted for another store)
         self._collect_covariances = False
-        self._recorded: Any = None
-        self._recorded_covariances: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._recorder: KroneckerCovarianceCallback | None = None
+        self._recorded: _RecordedCovariances | None = None
+        # capture-time covariances adopted by the running call after validation, or why
+        # the ones recorded for its train store do not fit it
+        self._capture_time_covariances: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._unusable_covariances: str | None = None
 
     # ------------------------------------------------------------------ options
     def configure(
@@ -115,8 +236,6 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         covariances_at_capture: bool = True,
     ) -> None:
         """Validate and set the options of the coming call (``ValueError`` on a bad value)."""
-        from dattri_llm.utils.cache import CACHE_RESIDENCIES
-
         if not math.isfinite(damping) or damping < 0:
             raise ValueError(f"damping must be a finite float >= 0, got {damping}.")
         if non_kfac_strategy not in NON_KFAC_STRATEGIES:
@@ -159,13 +278,17 @@ class KroneckerAttributor(BaseInnerProductAttributor):
 
     # ------------------------------------------------------------------ layer routing
     def covariances_for(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Supplied/captured covariances ``(A, G)`` of a layer, if any."""
-        return None if self.covariances is None else self.covariances.get(name)
+        """Covariances ``(A, G)`` of a layer: supplied (``fit(covariances=...)``) or captured.
+
+        Captured ones are those recorded at capture for this call's train store
+        and selection (see :meth:`_use_store_covariances`).
+        """
+        if self.covariances is not None and name in self.covariances:
+            return self.covariances[name]
+        return self._capture_time_covariances.get(name)
 
     def kfac_layers(self, grad: Gradient) -> list[str]:
         """K-FAC layers: eligible and factorized, or dense with covariances (supplied/captured)."""
-        from dattri_llm.gradient.ops.types import is_kfac_eligible
-
         return [
             name
             for name, layer_type in grad.layer_types.items()
@@ -179,14 +302,19 @@ class KroneckerAttributor(BaseInnerProductAttributor):
 
     def fisher_layers(self, grad: Gradient) -> list[str]:
         """Layers preconditioned by the dense empirical Fisher (warns once per layer)."""
-        from dattri_llm.gradient.ops.types import is_embedding, is_kfac_eligible, is_norm
-
         kfac = set(self.kfac_layers(grad))
         layers = []
         for name, layer_type in grad.layer_types.items():
             if name in kfac:
                 continue
             if is_kfac_eligible(layer_type):
+                if self._unusable_covariances is not None:
+                    raise ValueError(
+                        f"layer {name!r} ({layer_type}) is stored dense, so K-FAC needs its "
+                        f"covariances from the capture, but {self._unusable_covariances}. "
+                        "Select what they were recorded for, recapture the store "
+                        "(attributor.cache), or pass fit(covariances=...)."
+                    )
                 self._warn_once(
                     name,
                     f"layer {name!r} ({layer_type}) is stored dense and no covariances were "
@@ -224,8 +352,6 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         the factorized blocks. Supplied covariances whose widths disagree with
         the stored factors raise ``ValueError`` naming the layer and shapes.
         """
-        from dattri_llm.gradient.ops.kronecker import KroneckerAccumulator
-
         acc = KroneckerAccumulator()
         seen: dict[str, str] = {}
         for _step, block, _ids in train_source:
@@ -259,13 +385,11 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         cov = self.covariances_for(name)
         if cov is None:
             return
-        from dattri_llm.gradient.ops.kronecker import kfac_rows
-
         value = block.data[name]
         k, d = cov[0].shape[0], cov[1].shape[0]
         if isinstance(value, torch.Tensor):
-            ok = _dense_rows(value).shape[1] == k * d
-            stored = f"dense rows {tuple(_dense_rows(value).shape)}"
+            ok = _token_summed_rows(value).shape[1] == k * d
+            stored = f"dense rows {tuple(_token_summed_rows(value).shape)}"
         else:
             f = value.as_batch_first()
             a, g = kfac_rows(
@@ -302,8 +426,6 @@ class KroneckerAttributor(BaseInnerProductAttributor):
     # ------------------------------------------------------------------ fitting
     def fit_raw(self, train_source: GradientSource) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(raw_factors, raw_fisher)`` over a reusable train source (damping-free)."""
-        from dattri_llm.gradient.ops.kronecker import FisherAccumulator
-
         if not getattr(train_source, "reusable", False):
             raise ValueError(
                 f"{type(self).__name__} fits the curvature with extra passes over the training "
@@ -336,32 +458,22 @@ class KroneckerAttributor(BaseInnerProductAttributor):
 
         Covariances of dense eligible layers then come from the capture.
         """
-        import contextlib
-
         manager = getattr(train_source, "hook_manager", None)
         if manager is None or not self.covariances_at_capture:
             return contextlib.nullcontext()
         return self._attached_callback(manager)
 
-    def _attached_callback(self, manager: Any) -> Any:
-        import contextlib
-
-        from dattri_llm.gradient.callbacks.kronecker_covariance_callback import (
-            KroneckerCovarianceCallback,
-        )
-
-        @contextlib.contextmanager
-        def attached() -> Any:
-            callback = KroneckerCovarianceCallback()
-            manager.add_callback(callback)
-            self._capture_callback = callback
-            try:
-                yield
-            finally:
-                manager.callbacks.remove(callback)
-                self._capture_callback = None
-
-        return attached()
+    @contextlib.contextmanager
+    def _attached_callback(self, manager: Any) -> Iterator[None]:
+        """A fresh covariance callback on ``manager`` for the duration of the context."""
+        callback = KroneckerCovarianceCallback()
+        manager.add_callback(callback)
+        self._capture_callback = callback
+        try:
+            yield
+        finally:
+            manager.callbacks.remove(callback)
+            self._capture_callback = None
 
     def captured_covariances_for(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Covariances recorded by the live capture callback of the running pass."""
@@ -373,8 +485,6 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         self, raw_fit: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]], damping: float
     ) -> None:
         """Damp a raw fit and hold the result (device or ``factor_cache_residency``)."""
-        from dattri_llm.gradient.ops.kronecker import damping_for, dense_inverse
-
         raw_factors, raw_fisher = raw_fit
         factors = self.damp(raw_factors, damping)
         fisher = {}
@@ -393,8 +503,6 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         if self.factor_cache_residency is None:
             device = torch.device(self.args.device)
             return {name: _to(value, device) for name, value in values.items()}
-        from dattri_llm.utils.cache import TensorCache
-
         cache = TensorCache(self.factor_cache_residency)
         for name, value in values.items():
             cache.put(name, _to(value, torch.device("cpu")))
@@ -436,7 +544,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
                 "fisher": {k: v.cpu() for k, v in (fisher or {}).items()},
                 "layer_types": dict(self._fitted_layer_types),
             }
-            torch.save(payload, directory / FISHER_FILE)
+            atomic_torch_save(payload, directory / FISHER_FILE)
         return directory
 
     def load_fisher(self, fisher_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -481,20 +589,19 @@ class KroneckerAttributor(BaseInnerProductAttributor):
                 f"{type(self).__name__}: the curvature is not fitted; score through "
                 "attribute/attribute_from_cache, or fit first (fit / fisher_dir)."
             )
-        from dattri_llm.gradient.ops.materialize import materialize
 
         def convert(name: str, value: Any, layer_type: str) -> Any:
             try:
                 factors = self._fetch(self._factors, name)
                 if factors is not None:
                     if isinstance(value, torch.Tensor):
-                        value = _dense_rows(value)
+                        value = _token_summed_rows(value)
                     return self.precondition_test_layer(value, layer_type, factors)
                 inverse = self._fetch(self._fisher_inverse, name)
                 if inverse is None:
                     return None
                 rows = (
-                    _dense_rows(value)
+                    _token_summed_rows(value)
                     if isinstance(value, torch.Tensor)
                     else materialize(value, layer_type)
                 )
@@ -532,14 +639,15 @@ class KroneckerAttributor(BaseInnerProductAttributor):
     # ------------------------------------------------------------------ entry points
     def _start_call(self, options: dict[str, Any], layer_name: Any, steps: Any) -> None:
         """Reset per-call state and apply the options."""
-        from dattri_llm.attribution.utils import normalize_layer_names
-
         self.configure(**options)
         self._fit_settings = {
             "layer_name": normalize_layer_names(layer_name),
             "selected_training_steps": None if steps is None else sorted(set(steps)),
         }
         self.covariances = None
+        self._capture_time_covariances = {}
+        self._unusable_covariances = None
+        self._fitted_layer_types = {}
         self.raw_fit = None
         self._factors = self._fisher_inverse = None
         self._fisher_dir_to_write = None
@@ -556,16 +664,49 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             self._fisher_dir_to_write = Path(fisher_dir).expanduser()
 
     def _use_store_covariances(self, train_source: object) -> None:
-        """Adopt ``kronecker_covariances.pt`` saved beside a train store (capture-time fit)."""
+        """Adopt the covariances recorded at capture for this train store, if they fit the call.
+
+        The candidate is the payload this attributor recorded while collecting
+        the same store (a memory store inside :meth:`attribute`, or a disk store
+        on a rank that writes no files), else ``kronecker_covariances.pt``
+        beside a disk store. It is used only when the steps, row count and
+        projection it was recorded for equal this call's selection of the store
+        (covariances are per layer, so a layer selection needs no match);
+        otherwise factorized layers are refit from the store and a dense
+        eligible layer raises ``ValueError`` (:meth:`fisher_layers`). Supplied
+        covariances (``fit(covariances=...)``) replace them entirely.
+        """
+        self._capture_time_covariances = {}
+        self._unusable_covariances = None
         if not self.covariances_at_capture or self.covariances is not None:
             return
         try:
             store = self.resolve_store(train_source)
         except (TypeError, FileNotFoundError):
             return
+        candidate = self._recorded_for(store)
+        if candidate is None:
+            return
+        origin, payload = candidate
+        steps = self._fit_settings["selected_training_steps"]
+        reason = _covariance_mismatch(payload, store, steps)
+        if reason is None:
+            self._capture_time_covariances = dict(payload["covariances"])
+        else:
+            self._unusable_covariances = f"{origin} {reason}"
+
+    def _recorded_for(self, store: GradientStorageManager) -> tuple[str, Any] | None:
+        """``(origin, payload)`` of the covariances recorded for ``store``, if any."""
+        if self._recorded is not None and self._recorded.belongs_to(store):
+            return "the covariances recorded while capturing it", self._recorded.payload
         path = Path(store.save_dir) / COVARIANCES_FILE
-        if path.is_file():
-            self.covariances = torch.load(path, map_location="cpu", weights_only=True)
+        if store.residency != "disk" or not path.is_file():
+            return None
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+            return str(path), {"unreadable": f"cannot be read ({error})"}
+        return str(path), payload
 
     def attribute_from_cache(  # noqa: D417 - documented in attribution.md §7
         self,
@@ -613,8 +754,6 @@ class KroneckerAttributor(BaseInnerProductAttributor):
                 "them."
             )
         self._start_call(options, layer_name, selected_training_steps)
-        if self._recorded_covariances is not None:
-            self.covariances = dict(self._recorded_covariances)
         self._use_store_covariances(train_source)
         self._use_fisher_dir(fisher_dir)
         meta = {**(algorithm_meta or {}), **self._meta_extra()}
@@ -654,8 +793,6 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         kwargs: dict[str, Any],
     ) -> AttributionScore:
         """Fit, cache the preconditioned queries into a store, then score against it."""
-        from dattri_llm.gradient.storage_manager import GradientStorageManager
-
         steps = kwargs["selected_training_steps"]
         layers = self._fit_settings["layer_name"]
         train = self.load_train_rep(train_source, steps=steps, layer_name=layers)
@@ -740,8 +877,6 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         ``TracInAttributor.attribute_from_cache(train_dir, dir)`` then equals this
         attributor's score.
         """
-        from dattri_llm.gradient.storage_manager import GradientStorageManager
-
         self._start_call(
             {
                 "damping": damping,
@@ -811,9 +946,9 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             "covariances_at_capture": covariances_at_capture,
         }
         self._start_call(options, None, None)
-        _check_capture_style(hook_config, covariances_at_capture, self.algorithm)
+        _require_factors_or_capture_covariances(hook_config, covariances_at_capture, self.algorithm)
         self._collect_covariances = covariances_at_capture and gradient_cache_residency is not None
-        self._recorded = self._recorded_covariances = None
+        self._recorder = self._recorded = None
         if gradient_cache_residency is None:
             self._use_fisher_dir(fisher_dir)
         try:
@@ -830,7 +965,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             )
         finally:
             self._collect_covariances = False
-            self._recorded = self._recorded_covariances = None
+            self._recorder = self._recorded = None
 
     def generate_train_rep(
         self,
@@ -852,12 +987,8 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             forward_model=forward_model,
         )
         if self._collect_covariances:
-            from dattri_llm.gradient.callbacks.kronecker_covariance_callback import (
-                KroneckerCovarianceCallback,
-            )
-
-            self._recorded = KroneckerCovarianceCallback()
-            streamer.hook_manager.add_callback(self._recorded)
+            self._recorder = KroneckerCovarianceCallback()
+            streamer.hook_manager.add_callback(self._recorder)
         return streamer
 
     def collect_gradients(
@@ -868,17 +999,24 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         offload_interval: int = 1,
         on_block: Callable[[int, Gradient, list[str]], None] | None = None,
     ) -> GradientStorageManager:
-        """Base collection; a train collection's covariances are saved beside the store."""
-        recorded = self._recorded if streamer.hook_manager is not None else None
+        """Base collection; a train collection's covariances are recorded for its store.
+
+        They are held bound to ``store`` and, for a disk store, written beside it
+        as ``kronecker_covariances.pt`` with the steps, row count and projection
+        they cover (crash-safe write).
+        """
+        recorder = self._recorder if streamer.hook_manager is not None else None
         result = super().collect_gradients(
             streamer, store, offload_interval=offload_interval, on_block=on_block
         )
-        if recorded is not None and recorded in streamer.hook_manager.callbacks:
-            recorded.all_reduce()
-            covariances = {k: (a.cpu(), g.cpu()) for k, (a, g) in recorded.result().items()}
-            self._recorded_covariances = covariances
+        if recorder is not None and recorder in streamer.hook_manager.callbacks:
+            self._recorder = None
+            recorder.all_reduce()
+            covariances = {k: (a.cpu(), g.cpu()) for k, (a, g) in recorder.result().items()}
+            payload = {"meta": _recorded_meta(store, covariances), "covariances": covariances}
+            self._recorded = _RecordedCovariances.of(store, payload)
             if store.residency == "disk" and self.args.should_log:
-                torch.save(covariances, Path(store.save_dir) / COVARIANCES_FILE)
+                atomic_torch_save(payload, Path(store.save_dir) / COVARIANCES_FILE)
         return result
 
     def cache(  # noqa: D417 - documented in attribution.md §7
@@ -894,7 +1032,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         ``None`` keeps the current setting.
         """
         previous = self._collect_covariances
-        self._recorded = None
+        self._recorder = None
         if covariances_at_capture is not None:
             self._collect_covariances = covariances_at_capture
         elif not previous:
@@ -905,7 +1043,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             self._collect_covariances = previous
 
 
-def _check_capture_style(
+def _require_factors_or_capture_covariances(
     hook_config: HookManagerConfig | None, covariances_at_capture: bool, algorithm: str
 ) -> None:
     """``ValueError`` for a pinned ``"materialized"`` capture without covariances at capture."""
@@ -957,8 +1095,6 @@ class KFACAttributor(KroneckerAttributor):
 
     def damp(self, raw_factors: Mapping[str, Any], damping: float) -> dict[str, Any]:
         """``{layer: ((A+λ_A I)⁻¹, (G+λ_G I)⁻¹)}`` via ``sym_inverse``."""
-        from dattri_llm.gradient.ops.kronecker import damping_for, sym_inverse
-
         damped = {}
         for name, (a_cov, g_cov) in raw_factors.items():
             try:
@@ -972,13 +1108,6 @@ class KFACAttributor(KroneckerAttributor):
 
     def precondition_test_layer(self, value: Any, layer_type: str, factors: Any) -> Any:
         """``G⁻¹·dW·A⁻¹``: final factors for a factorized layer, dense for a dense one."""
-        from dattri_llm.gradient.gradient import Factorized
-        from dattri_llm.gradient.ops.kronecker import (
-            kfac_precondition,
-            kfac_precondition_materialized,
-        )
-        from dattri_llm.gradient.ops.types import is_conv_transpose
-
         a_inv, g_inv = factors
         if isinstance(value, torch.Tensor):
             if is_conv_transpose(layer_type):  # layout (K, D): A⁻¹·dW·G⁻¹
@@ -1018,8 +1147,6 @@ class EKFACAttributor(KroneckerAttributor):
         self, train_source: GradientSource, fisher_acc: FisherAccumulator
     ) -> dict[str, Any]:
         """``{layer: {"U_A", "U_G", "lam"}}``: covariance pass, ``eigh``, eigenvalue pass."""
-        from dattri_llm.gradient.ops.kronecker import kfac_eigh
-
         if self.covariances is not None:
             self._check_covering(train_source)
         covariances = self.covariance_pass(train_source, fisher_acc)
@@ -1037,8 +1164,6 @@ class EKFACAttributor(KroneckerAttributor):
                 squared = (coords**2).sum(dim=0)
                 sums[name] = squared if name not in sums else sums[name] + squared.to(sums[name])
                 counts[name] = counts.get(name, 0) + coords.shape[0]
-        from dattri_llm.utils.distributed import all_reduce_sum
-
         factors = {}
         for name in sorted(sums):
             count = torch.tensor([float(counts[name])], dtype=torch.float64)
@@ -1050,8 +1175,6 @@ class EKFACAttributor(KroneckerAttributor):
 
     def _check_covering(self, train_source: GradientSource) -> None:
         """Supplied covariances must cover every eligible layer (``ValueError``)."""
-        from dattri_llm.gradient.ops.types import is_kfac_eligible
-
         for _step, block, _ids in train_source:
             missing = [
                 n
@@ -1070,12 +1193,9 @@ class EKFACAttributor(KroneckerAttributor):
         self, block: Gradient, name: str, u_a: torch.Tensor, u_g: torch.Tensor
     ) -> torch.Tensor:
         """Per-sample ``vec(U_Gᵀ dW U_A)`` ``(B, D·K)`` of one block layer."""
-        from dattri_llm.gradient.ops.kronecker import ekfac_materialize
-        from dattri_llm.gradient.ops.materialize import materialize
-
         value, layer_type = block.data[name], block.layer_types[name]
         if isinstance(value, torch.Tensor):
-            value = _dense_rows(value)
+            value = _token_summed_rows(value)
         elif self.mode == "exact":
             value = materialize(value, layer_type)
         device = value.device if isinstance(value, torch.Tensor) else value.activation.device
@@ -1105,8 +1225,6 @@ class EKFACAttributor(KroneckerAttributor):
 
     def precondition_test_layer(self, value: Any, layer_type: str, factors: Any) -> Any:
         """``U_G((U_Gᵀ dW U_A)/(Λ+λ))U_Aᵀ`` as a dense ``(B, d)`` block."""
-        from dattri_llm.gradient.ops.kronecker import ekfac_materialize, ekfac_precondition
-
         u_a, u_g, lam = factors
         coords = ekfac_materialize(value, layer_type, u_a, u_g)
         return ekfac_precondition(coords, u_a, u_g, lam, layer_type)

@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
+from dattri_llm.gradient.hooks.hooks import current_forward_token
 from dattri_llm.gradient.ops.kronecker import LayerKroneckerAccumulator
 from dattri_llm.gradient.ops.types import is_kfac_eligible
 
 if TYPE_CHECKING:
     import torch
 
+    from dattri_llm.gradient.gradient import GradientRecord
+
 
 class KroneckerCovarianceCallback(HookManagerCallback):
     """Accumulate per-layer K-FAC covariances ``(A, G)`` while gradients are captured.
 
     For K-FAC-eligible layer types only (linear, conv, conv-transpose): the
-    forward hook pushes the emitted activation on a per-layer stack, the
-    backward hook pops it (LIFO: re-entrant/checkpointed forwards pair with
-    their backward; a backward without a pending activation is skipped) and
-    feeds ``LayerKroneckerAccumulator.update``. Under capture-time ``"logra"``
+    forward hook keeps the emitted activation, the backward hook takes the
+    activation of exactly the forward it belongs to (the hooks' pairing,
+    :func:`~dattri_llm.gradient.hooks.hooks.current_forward_token`) and feeds
+    ``LayerKroneckerAccumulator.update``. A backward without a kept activation
+    is skipped. A forward whose output is never backpropagated (a validation
+    forward with grad enabled, a checkpoint recompute) is dropped when its
+    output is freed, and at the latest at the end of the step, as the
+    manager's capture drops it. Events dispatched directly (not by the hooks)
+    pair last-in-first-out per layer. Under capture-time ``"logra"``
     projection the emitted factors are the projected ones, so the covariances
     live in the projected space. :meth:`result` equals the covariances of a fit
     pass over the captured store (same row rules as ``ops.kfac_factors``).
@@ -32,7 +41,9 @@ class KroneckerCovarianceCallback(HookManagerCallback):
     def __init__(self, *, include_bias: bool = True) -> None:
         """Start with no accumulated layer."""
         self.include_bias = include_bias
-        self._pending: dict[str, list[torch.Tensor]] = {}
+        # forward token -> activation; an entry goes with its forward's output
+        self._pending: weakref.WeakKeyDictionary[object, torch.Tensor] = weakref.WeakKeyDictionary()
+        self._direct: dict[str, list[torch.Tensor]] = {}  # direct calls: LIFO per layer
         self._accumulators: dict[str, LayerKroneckerAccumulator] = {}
 
     def on_layer_forward(
@@ -42,9 +53,14 @@ class KroneckerCovarianceCallback(HookManagerCallback):
         layer_type: str,
         module_kwargs: dict | None,
     ) -> None:
-        """Push the activation ``(B, *, D_in)`` of a K-FAC-eligible layer."""
-        if is_kfac_eligible(layer_type):
-            self._pending.setdefault(layer_name, []).append(activation)
+        """Keep the activation ``(B, *, D_in)`` of a K-FAC-eligible layer for its backward."""
+        if not is_kfac_eligible(layer_type):
+            return
+        token = current_forward_token()
+        if token is None:
+            self._direct.setdefault(layer_name, []).append(activation)
+        else:
+            self._pending[token] = activation
 
     def on_layer_backward(
         self,
@@ -53,15 +69,24 @@ class KroneckerCovarianceCallback(HookManagerCallback):
         layer_type: str,
         module_kwargs: dict | None,
     ) -> None:
-        """Pop the matching activation and add the token rows to the layer's covariances."""
-        stack = self._pending.get(layer_name)
-        if not stack:
+        """Take this backward's forward activation and add the token rows to the covariances."""
+        token = current_forward_token()
+        if token is None:
+            stack = self._direct.get(layer_name)
+            activation = stack.pop() if stack else None
+        else:
+            activation = self._pending.pop(token, None)
+        if activation is None:
             return
-        activation = stack.pop()
         acc = self._accumulators.setdefault(layer_name, LayerKroneckerAccumulator())
         acc.update(
             activation, grad_output, layer_type, module_kwargs, include_bias=self.include_bias
         )
+
+    def on_step_end(self, record: GradientRecord) -> None:
+        """Drop the activations of forwards this step never backpropagated."""
+        self._pending.clear()
+        self._direct.clear()
 
     def all_reduce(self) -> None:
         """Sum every layer's covariances across ranks (sorted order; every rank must call it)."""
@@ -77,4 +102,5 @@ class KroneckerCovarianceCallback(HookManagerCallback):
     def reset(self) -> None:
         """Drop every accumulated covariance and pending activation."""
         self._pending.clear()
+        self._direct.clear()
         self._accumulators.clear()

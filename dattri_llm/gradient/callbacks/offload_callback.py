@@ -5,11 +5,11 @@ from __future__ import annotations
 from functools import reduce
 from typing import TYPE_CHECKING
 
+from dattri_llm.gradient.async_writer import AsyncGradientWriter
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
 from dattri_llm.gradient.gradient import GradientRecord
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.async_writer import AsyncGradientWriter
     from dattri_llm.gradient.hooks.manager import HookManager
     from dattri_llm.gradient.storage_manager import GradientStorageManager
     from dattri_llm.options import RecordingType
@@ -186,8 +186,6 @@ class OffloadCallback(HookManagerCallback):
             self.file_manager.save_bulk(records)
             return
         if self._writer is None:
-            from dattri_llm.gradient.async_writer import AsyncGradientWriter
-
             self._writer = AsyncGradientWriter(
                 self.file_manager, max_pending=self.max_pending_writes
             )

@@ -22,12 +22,13 @@ imports ``transformers``; ``HF_Conv1D`` is resolved by the module
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +36,33 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dattri_llm.gradient.gradient import Factorized
+from dattri_llm.gradient.ops.dot import effective_dims
+from dattri_llm.gradient.ops.materialize import materialize
+from dattri_llm.gradient.ops.preprocess import extract_module_kwargs
+from dattri_llm.gradient.ops.projection import (
+    DattriProjector,
+    project_activation,
+    project_gradient,
+    project_layer,
+    should_materialize,
+)
+from dattri_llm.gradient.ops.types import (
+    ALL_LAYER_TYPES,
+    canonical_class_name,
+    is_conv,
+    is_conv_transpose,
+    is_embedding,
+    is_linear,
+    is_norm,
+)
 from dattri_llm.options import CaptureStyle
 
 __all__ = [
     "HF_Conv1D",  # noqa: F822 (resolved lazily by __getattr__)
     "LayerBuffer",
     "ParamGradBuffer",
+    "current_forward_token",
     "install_invasive_forward",
     "register_linear_io_hooks",
     "register_linear_param_hooks",
@@ -141,8 +163,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 def detect_layer_type(module: nn.Module) -> str:
     """Canonical type of ``module``: its own class name, or the nearest supported base class."""
-    from dattri_llm.gradient.ops.types import ALL_LAYER_TYPES, canonical_class_name
-
     own = canonical_class_name(module)
     if own in ALL_LAYER_TYPES:
         return own
@@ -188,20 +208,103 @@ class Capture:
 
 
 class _Pending:
-    """A grad-enabled forward of a layer waiting for its backward (identity-compared)."""
+    """A grad-enabled forward of a layer waiting for its backward (identity-compared).
 
-    __slots__ = ("activation", "collecting", "device", "seq")
+    It is also the token per-layer callbacks pair events with
+    (:func:`current_forward_token`): held by the hook on the layer output, it
+    is released with that output when no backward comes. ``alias`` and
+    ``version`` are set when the kept activation shares the input's storage
+    (see :func:`_autograd_guards_input`).
+    """
+
+    __slots__ = ("__weakref__", "activation", "alias", "collecting", "device", "seq", "version")
 
     def __init__(
-        self, seq: int, activation: torch.Tensor | None, device: torch.device, collecting: bool
+        self,
+        seq: int,
+        activation: torch.Tensor | None,
+        device: torch.device,
+        collecting: bool,
+        alias: torch.Tensor | None = None,
     ) -> None:
         self.seq = seq
         self.activation = activation
         self.device = device
         self.collecting = collecting
+        self.alias = alias
+        self.version = None if alias is None else alias._version
 
 
 _SEQ = itertools.count()
+_DISPATCH = threading.local()
+
+
+def current_forward_token() -> object | None:
+    """The layer forward the per-layer callback event being dispatched belongs to.
+
+    Inside ``on_layer_forward`` / ``on_layer_backward`` called by the hooks: an
+    object identifying that layer forward; the backward of a forward gets the
+    same object, so a callback can pair them exactly (a forward whose output
+    is never backpropagated gets no backward). Hold it weakly: it is released
+    with the layer output. ``None`` outside such a dispatch (a direct call).
+    """
+    return getattr(_DISPATCH, "token", None)
+
+
+@contextlib.contextmanager
+def _dispatching(entry: _Pending) -> Iterator[None]:
+    """Expose ``entry`` as :func:`current_forward_token` while the callbacks run."""
+    previous = getattr(_DISPATCH, "token", None)
+    _DISPATCH.token = entry
+    try:
+        yield
+    finally:
+        _DISPATCH.token = previous
+
+
+def _shares_storage(a: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``a`` views ``x``'s memory (assumed when there is no storage, e.g. functorch)."""
+    try:
+        return a.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return True
+
+
+def _autograd_guards_input(
+    module: nn.Module, x: torch.Tensor, out: torch.Tensor, layer_type: str
+) -> bool:
+    """Whether autograd keeps ``x`` itself for this layer's backward (so it cannot change).
+
+    The capture keeps the layer input ``x`` until the step's record is used,
+    possibly after the step. Aliasing ``x`` is exact only if nobody can edit
+    it in place in between: when the layer's backward saved ``x``, an in-place
+    edit bumps its version counter and the backward raises, and after the
+    backward a graph tensor is unreachable to the caller. That is the common
+    training path, which therefore keeps a view (no copy). Everywhere else the
+    capture keeps a private copy:
+
+    * ``x`` has no ``grad_fn``: model inputs, buffers and frozen-path
+      activations — the caller may rewrite them at any time (in-place ops in
+      the model, a reused input buffer after the step);
+    * the layer's weight needs no gradient (frozen layer): its backward saves
+      only the weight, not the input;
+    * the invasive input-gradient-only linear, which saves only the weight;
+    * under autocast, the op computes on a cast copy unless ``x`` already has
+      the autocast dtype and the layer is linear/conv (norms run in float32).
+
+    The aliased case is still checked at the backward with ``x._version``.
+    """
+    weight = getattr(module, "weight", None)
+    if x.grad_fn is None or not isinstance(weight, torch.Tensor) or not weight.requires_grad:
+        return False
+    if isinstance(out.grad_fn, _InputGradOnlyLinear._backward_cls):
+        return False
+    device_type = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device_type):
+        return x.dtype == torch.get_autocast_dtype(device_type) and (
+            is_linear(layer_type) or is_conv(layer_type) or is_conv_transpose(layer_type)
+        )
+    return True
 
 
 def _always() -> bool:
@@ -240,8 +343,6 @@ class LayerCapture:
         lock: threading.RLock | None = None,
         decisions: dict[str, bool] | None = None,
     ) -> None:
-        from dattri_llm.gradient.ops.types import is_linear
-
         self.name = name
         self.layer_type = layer_type
         self.module_kwargs = module_kwargs
@@ -303,15 +404,25 @@ class LayerCapture:
         out = _first_tensor(output)
         if not isinstance(x, torch.Tensor):
             return
+        backpropagated = out is not None and out.requires_grad
         a = x.detach()
         if self.logra_at_forward:
             a = self._project_activation(a)
         a = self._offload(a)
+        alias = None
+        if backpropagated and _shares_storage(a, x):
+            if _autograd_guards_input(module, x, out, self.layer_type):
+                alias = a
+            else:
+                a = a.clone()
+        entry = _Pending(
+            next(_SEQ), a if collecting and backpropagated else None, x.device, collecting, alias
+        )
         if self.on_layer_forward is not None:
-            self.on_layer_forward(self.name, a, self.emitted_type, self.emitted_kwargs)
-        if out is None or not out.requires_grad:
+            with _dispatching(entry):
+                self.on_layer_forward(self.name, a, self.emitted_type, self.emitted_kwargs)
+        if not backpropagated:
             return
-        entry = _Pending(next(_SEQ), a if collecting else None, x.device, collecting)
         if collecting:
             with self.lock:
                 self.buffer["pending"].append(entry)
@@ -320,12 +431,14 @@ class LayerCapture:
         out.register_hook(lambda grad: self._grad_hook(entry, grad))
 
     def _grad_hook(self, entry: _Pending, grad: torch.Tensor) -> None:
+        self._check_input_unchanged(entry)
         g = grad.detach()
         if self.logra_at_forward:
             g = self._project_gradient(g)
         g = self._offload(g)
         if self.on_layer_backward is not None:
-            self.on_layer_backward(self.name, g, self.emitted_type, self.emitted_kwargs)
+            with _dispatching(entry):
+                self.on_layer_backward(self.name, g, self.emitted_type, self.emitted_kwargs)
         if not entry.collecting or not self.gate():
             return
         with self.lock:
@@ -344,11 +457,19 @@ class LayerCapture:
         if self.on_backward is not None:
             self.on_backward(self.name)
 
+    def _check_input_unchanged(self, entry: _Pending) -> None:
+        """``RuntimeError`` if an aliased input was edited in place since the forward."""
+        if entry.alias is not None and entry.alias._version != entry.version:
+            raise RuntimeError(
+                f"Layer {self.name!r}: its input was modified in place after the layer's forward "
+                "and before its backward, so the captured activation no longer equals the "
+                "forward input. Use an out-of-place op (x = x * s instead of x.mul_(s)) on "
+                "tensors a hooked layer has consumed."
+            )
+
     # ---- processing
 
     def _project_activation(self, a: torch.Tensor) -> torch.Tensor:
-        from dattri_llm.gradient.ops.projection import project_activation
-
         _, proj = self._proj_args()
         include_bias = proj.pop("include_bias", True)
         return project_activation(
@@ -356,8 +477,6 @@ class LayerCapture:
         )
 
     def _project_gradient(self, g: torch.Tensor) -> torch.Tensor:
-        from dattri_llm.gradient.ops.projection import project_gradient
-
         _, proj = self._proj_args()
         proj.pop("include_bias", None)
         return project_gradient(g, self.layer_type, self.projector, self.module_kwargs, **proj)
@@ -371,8 +490,6 @@ class LayerCapture:
         return self.decisions[self.name]
 
     def _capture(self, entry: _Pending, g: torch.Tensor) -> Capture:
-        from dattri_llm.gradient.gradient import Factorized
-
         a = entry.activation
         if a.ndim == 1 and _is_integer(a):  # unbatched (positional) ids: batch of 1
             batch_axis = 0 if self.batch_first else 1
@@ -383,26 +500,21 @@ class LayerCapture:
         if self.projection is not None:
             return self._projected(entry, raw)
         if self._decide(lambda: _auto_materialize(raw, self.layer_type)):
-            return self._dense(entry, _materialize(raw, self.layer_type))
+            return self._dense(entry, materialize(raw, self.layer_type))
         indexing = "batch_token" if a.ndim >= 3 or _is_integer(a) else "batch"
         return Capture(entry.seq, entry.device, raw, "factorized", self.layer_type, indexing)
 
     def _final_factors(self, entry: _Pending, final: Any) -> Capture:
         """Projected (``module_kwargs=None``) factors, kept or materialized per capture style."""
-        from dattri_llm.gradient.ops.projection import should_materialize
-
         a = final.as_batch_first().activation
         seq_len = a.shape[1] if a.ndim == 3 else 1
         k_a, k_g = a.shape[-1], final.pre_activation_grad.shape[-1]
         if self._decide(lambda: should_materialize("auto", seq_len, k_a, k_g)):
-            return self._dense(entry, _materialize(final, "nn.Linear"))
+            return self._dense(entry, materialize(final, "nn.Linear"))
         indexing = "batch_token" if seq_len > 1 else "batch"
         return Capture(entry.seq, entry.device, final, "factorized", "nn.Linear", indexing)
 
     def _projected(self, entry: _Pending, raw: Any) -> Capture:
-        from dattri_llm.gradient.gradient import Factorized
-        from dattri_llm.gradient.ops.projection import project_layer
-
         style, proj = self._proj_args()
         capture_style = self.capture_style
         if capture_style == "auto" and self.name in self.decisions:
@@ -422,18 +534,8 @@ class LayerCapture:
         return Capture(entry.seq, entry.device, dense, "materialized", self.layer_type, "batch")
 
 
-def _materialize(f: Any, layer_type: str) -> torch.Tensor:
-    from dattri_llm.gradient.ops.materialize import materialize
-
-    return materialize(f, layer_type)
-
-
 def _auto_materialize(f: Any, layer_type: str) -> bool:
     """``"auto"`` capture rule for unprojected factors (embeddings always stay factorized)."""
-    from dattri_llm.gradient.ops.dot import effective_dims
-    from dattri_llm.gradient.ops.projection import should_materialize
-    from dattri_llm.gradient.ops.types import is_embedding
-
     if is_embedding(layer_type):
         return False
     _, seq_len, k_in, k_out = effective_dims(f.as_batch_first(), layer_type)
@@ -536,9 +638,6 @@ def attach_linear_io(
     **capture_kwargs: Any,
 ) -> tuple[dict[str, LayerCapture], list]:
     """Build a :class:`LayerCapture` per selected layer and register its forward hook."""
-    from dattri_llm.gradient.ops.projection import DattriProjector
-    from dattri_llm.gradient.ops.types import is_norm
-
     root = unwrap_model(model)
     projector = DattriProjector.coerce(projector)
     captures: dict[str, LayerCapture] = {}
@@ -573,8 +672,6 @@ def attach_linear_io(
 def _module_kwargs(
     name: str, module: nn.Module, layer_type: str, overrides: dict[str, dict]
 ) -> dict:
-    from dattri_llm.gradient.ops.preprocess import extract_module_kwargs
-
     if name in overrides:
         return dict(overrides[name])
     try:

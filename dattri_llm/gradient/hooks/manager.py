@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from dattri_llm.gradient.gradient import (
+    Factorized,
+    Gradient,
+    GradientRecord,
+    base_layer_name,
+)
 from dattri_llm.gradient.hooks.config import (
     INVASIVE_LINEAR_IO,
     LINEAR_IO,
@@ -45,10 +52,14 @@ from dattri_llm.gradient.hooks.hooks import (
     remove_hooks,
     unwrap_model,
 )
+from dattri_llm.gradient.ops.projection import DattriProjector
+from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
+from dattri_llm.utils.autograd import queue_backward_end_callback
+from dattri_llm.utils.distributed import all_reduce_sum, dist_world_size
+from dattri_llm.utils.hashing import hash_batch
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.callbacks.base import HookManagerCallback
-    from dattri_llm.gradient.gradient import Gradient, GradientRecord
 
 __all__ = ["HookManager"]
 
@@ -94,8 +105,6 @@ def _stringify_ids(values: object) -> list[str]:
 
 def _merge_chunks(chunks: list[Capture]) -> Any:
     """Concatenate one virtual layer's per-device captures along the batch axis."""
-    from dattri_llm.gradient.gradient import Factorized
-
     chunks = sorted(chunks, key=lambda c: _device_order(c.device))
     first = chunks[0].data
     if len(chunks) == 1:
@@ -234,8 +243,6 @@ class HookManager:
         """Attach the hooks (no-op if attached); ``ValueError`` if no layer can be hooked."""
         if self._handles:
             return
-        from dattri_llm.gradient.ops.projection import DattriProjector
-
         root = unwrap_model(self.model)
         assignments = resolve_hook_assignments(root, self.config)
         linear = [n for n, f in assignments.items() if f in (LINEAR_IO, INVASIVE_LINEAR_IO)]
@@ -442,8 +449,6 @@ class HookManager:
                     "checkpoint."
                 )
 
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
         return register_optimizer_step_pre_hook(refuse_step)
 
     def get_gradient(self) -> Gradient:
@@ -590,8 +595,6 @@ class HookManager:
 
     def _note_backward(self) -> None:
         """Queue the step-completion callback once per backward."""
-        from dattri_llm.utils.autograd import queue_backward_end_callback
-
         with self._lock:
             if self._state.end_queued or not self._collecting:
                 return
@@ -627,14 +630,9 @@ class HookManager:
         ddp = torch.nn.parallel.DistributedDataParallel
         if not isinstance(self.model, ddp) or not self.model.require_backward_grad_sync:
             return grad
-        from dattri_llm.utils.distributed import all_reduce_sum, dist_world_size
-
         return all_reduce_sum(grad.clone()) / dist_world_size()
 
     def _assemble_record(self) -> GradientRecord:
-        from dattri_llm.gradient.gradient import Gradient, GradientRecord
-        from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
-
         representation: dict[str, str] = {}
         data: dict[str, Any] = {}
         layer_types: dict[str, str] = {}
@@ -678,8 +676,6 @@ class HookManager:
         )
 
     def _check_missing(self, assembled: set[str]) -> None:
-        from dattri_llm.gradient.gradient import base_layer_name
-
         got = {base_layer_name(name) for name in assembled}
         missing = frozenset(self._state.forward_layers - got)
         if got and missing and missing not in self._warned_missing:
@@ -711,8 +707,6 @@ class HookManager:
                 )
 
     def _identifiers(self, gradient: Gradient) -> list[str]:
-        from dattri_llm.utils.hashing import hash_batch
-
         try:
             batch_size: int | None = gradient.batch_size
         except ValueError:

@@ -5,6 +5,10 @@ operands (integer operands are ignored; all-integer operands give float32).
 An explicit dtype forces that dtype everywhere. ``minimum`` arguments raise
 the floor (used by covariance, eigen and inverse kernels, which always run at
 least in float32).
+
+Integer tensors are embedding token ids: kernels pass them through `align`,
+which never casts them, so a forced 16-bit policy cannot round ids above 256.
+`as_float` (integers too) is only for integers used as feature values.
 """
 
 from __future__ import annotations

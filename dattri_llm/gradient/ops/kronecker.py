@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dattri_llm.gradient.ops import dtypes
-from dattri_llm.gradient.ops.materialize import materialize_factors
+from dattri_llm.gradient.ops.dot import cross_gram
+from dattri_llm.gradient.ops.materialize import materialize, materialize_factors
 from dattri_llm.gradient.ops.preprocess import check_layer_type, preprocess_factors, to_3d
 from dattri_llm.gradient.ops.types import (
     is_conv,
@@ -35,6 +36,7 @@ from dattri_llm.gradient.ops.types import (
     is_kfac_eligible,
     is_norm,
 )
+from dattri_llm.utils.distributed import all_reduce_sum
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -284,8 +286,6 @@ def kfac_cross_factors(
     include_bias: bool = True,
 ) -> Tensor:
     """``K[i, j] = vec(dW1_i)ᵀ(A⁻¹⊗G⁻¹)vec(dW2_j)`` ``(B1, B2)``, whitening side 1."""
-    from dattri_llm.gradient.ops.dot import cross_gram
-
     wa1, wg1 = kfac_precondition_factors(
         a1, g1, layer_type, A_inv, G_inv, module_kwargs1, include_bias
     )
@@ -413,8 +413,6 @@ def ekfac_precondition(M: Tensor, U_A: Tensor, U_G: Tensor, lam: Tensor, layer_t
 
 def _reduce_sums(*tensors: Tensor) -> None:
     """Sum tensors across ranks in place (no-op single process)."""
-    from dattri_llm.utils.distributed import all_reduce_sum
-
     for t in tensors:
         all_reduce_sum(t)
 
@@ -601,8 +599,6 @@ class FisherAccumulator:
 
     def update(self, gradient: Gradient, layers: Iterable[str]) -> None:
         """Accumulate the named layers of a block (dense as ``(B, P)``, factorized materialized)."""
-        from dattri_llm.gradient.ops.materialize import materialize
-
         for name in layers:
             if name not in gradient.data or name in self._skipped:
                 continue
@@ -632,6 +628,7 @@ def _dense_width(value: Factorized | Tensor, layer_type: str) -> int:
     """Per-sample coordinate count of a layer payload without materializing it."""
     if isinstance(value, torch.Tensor):
         return int(value[0].numel()) if value.dim() == 2 else int(value.shape[-1])
+    # function-level: dattri_llm.gradient.gradient imports this package (import cycle)
     from dattri_llm.gradient.gradient import _materialized_width_estimate
 
     return int(_materialized_width_estimate(value, layer_type))

@@ -492,15 +492,19 @@ class DattriProjector:
     ) -> torch.Tensor:
         """Project ``x : (..., d_in)`` → ``(..., proj_dim)`` with the seeded map.
 
-        Integer input is converted to float first; a ``device`` kwarg selects
-        where the projection runs (and where the result stays), default
-        ``x.device``. ``include_bias`` projects ``[x, 1]``.
+        Integer input is converted to float first, at least float32 so that
+        values above 256 stay exact (up to 2²⁴) under a forced 16-bit compute
+        policy; the result is then cast to the policy dtype (`ops.as_float`'s).
+        A ``device`` kwarg selects where the projection runs (and where the
+        result stays), default ``x.device``. ``include_bias`` projects ``[x, 1]``.
         """
         if x.ndim == 0:
             raise ValueError("DattriProjector.apply: cannot project a 0-d tensor.")
         device = _canonical_device(proj_kwargs.pop("device", None) or x.device)
+        result_dtype = x.dtype
         if not x.is_floating_point():
-            (x,) = dtypes.as_float(x)
+            result_dtype = dtypes.resolve(x)
+            (x,) = dtypes.as_float(x, minimum=torch.float32)
         x = x.to(device)
         proj = self.resolve(
             x.shape[-1],
@@ -511,7 +515,7 @@ class DattriProjector:
             dtype=x.dtype,
             **proj_kwargs,
         )
-        return proj(x)
+        return proj(x).to(result_dtype)
 
     def clear(self) -> None:
         """Drop every cached matrix and mask."""

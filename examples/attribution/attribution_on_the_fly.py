@@ -1,6 +1,6 @@
 """Attribution on-the-fly: score training samples live, nothing written to disk.
 
-Mirrors section 2 of the README with a tiny GPT-2 built from a config (no
+Mirrors the README's "One call, live" section with a tiny GPT-2 built from a config (no
 download): an ``AttributionTask`` holds a ``(model, batch) -> loss`` function
 evaluated on the live model, and ``TracInAttributor.attribute`` streams
 per-sample gradients of the training and test sets and scores them (Grad-Dot

@@ -222,7 +222,11 @@ def main() -> None:
     parser.add_argument("--method", choices=METHODS, default="kfac")
     parser.add_argument("--proj", choices=("full", "logra"), default="full")
     parser.add_argument("--queries", type=int, default=1)
-    parser.add_argument("--peer-python", default="/work/bench-venv/bin/python")
+    parser.add_argument(
+        "--peer-python",
+        default=sys.executable,
+        help="interpreter that has the peer libraries installed",
+    )
     parser.add_argument("--out", default=str(RESULTS / "throughput_kfac.md"))
     parser.add_argument(
         "--n-train", type=int, default=N_TRAIN, help="training sequences (first n of the set)"

@@ -1,6 +1,6 @@
-"""The TracIn / K-FAC usage patterns of examples.md run as written, checked against references.
+"""The documented TracIn / K-FAC usage patterns run as written, checked against references.
 
-Each snippet below is the examples.md code verbatim; only the model and data
+Each snippet below is the documented usage code verbatim; only the model and data
 construction around it (``net``, ``loader``, ``opt``, ``train()``, ``lm``,
 datasets, the query store the first snippet reads) is supplied by ``SETUP``
 code. Scores are compared with dense references from ``tests/reference.py``

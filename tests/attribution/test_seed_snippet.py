@@ -1,4 +1,7 @@
-"""The README quick-start snippet runs verbatim (GPT-2 swapped for a tiny model, no tokenizer)."""
+"""The design README's quick-start snippet runs verbatim.
+
+GPT-2 is swapped for a tiny model and the tokenizer for a character-level encoding.
+"""
 
 from __future__ import annotations
 

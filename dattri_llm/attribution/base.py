@@ -36,18 +36,10 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.streaming import DiskGradientSource, GradientSource
     from dattri_llm.utils.cache import TensorCache
 
-ATTRIBUTION_GRANULARITIES = ("instance", "token")
+ATTRIBUTION_GRANULARITIES = attribution_utils.ATTRIBUTION_GRANULARITIES
+check_granularity = attribution_utils.check_granularity
 
 ScoreResult = attribution_utils.ScoreResult
-
-
-def check_granularity(attribution_granularity: str) -> None:
-    """Raise ``ValueError`` unless the granularity is in ``ATTRIBUTION_GRANULARITIES``."""
-    if attribution_granularity not in ATTRIBUTION_GRANULARITIES:
-        raise ValueError(
-            f"attribution_granularity must be one of {ATTRIBUTION_GRANULARITIES}, got "
-            f"{attribution_granularity!r}"
-        )
 
 
 def _check_dataset(dataset: object, side: str) -> None:
@@ -307,7 +299,13 @@ class BaseInnerProductAttributor(BaseAttributor):
         offload_interval: int = 1,
         on_block: Callable[[int, Gradient, list[str]], None] | None = None,
     ) -> GradientStorageManager:
-        """Save every block of ``streamer`` into ``store`` (see ``attribution.utils``)."""
+        """Save every block of ``streamer`` into ``store`` (``attribution.utils``).
+
+        The streamer's capture projection is declared to ``store`` first (a
+        store declaring another projection raises ``ValueError``).
+        """
+        config = streamer.hook_manager.config
+        store.declare_projection(config.projection_kwargs, config.projector)
         return attribution_utils.collect_gradients(
             streamer, store, offload_interval=offload_interval, on_block=on_block
         )
@@ -386,20 +384,44 @@ class BaseInnerProductAttributor(BaseAttributor):
         transform_test: Callable[[Gradient], Gradient] | None = None,
         attribution_granularity: str = "instance",
     ) -> ScoreResult:
-        """:meth:`prepare_scoring`, then the scoring loop of ``attribution.utils.score_sources``.
+        """:meth:`prepare_scoring`, then ``attribution.utils.score_sources`` with this attributor.
 
-        Returns ``(scores, row_train_ids, row_steps, test_ids, row_token_ids)``.
+        Scores on ``args.device`` with the attributor's transforms
+        (``transform_test`` defaults to :meth:`transform_test_rep`), inner
+        products and progress bar; train batches of
+        ``args.per_device_train_batch_size`` rows. Around it, the attributor
+        drops ``param_grad`` layers, checks layer compatibility, prepares the
+        held test side and records :attr:`scored_layers`. Returns
+        ``(scores, row_train_ids, row_steps, test_ids, row_token_ids)``.
+
+        Raises:
+            ValueError: unknown granularity; ``loop_over_test`` with a test
+                source that is not reusable; an empty training or test set;
+                incompatible or disjoint layers.
         """
         check_granularity(attribution_granularity)
+        if loop_over_test:
+            attribution_utils._require_reusable(test_source)
         self.prepare_scoring(train_source, test_source)
-        return attribution_utils.score_sources(
-            self,
-            train_source,
-            test_source,
-            loop_over_test=loop_over_test,
-            transform_test=transform_test,
-            attribution_granularity=attribution_granularity,
+        device = torch.device(self.args.device)
+        checks = attribution_utils._ScoringChecks(
+            train_source, test_source, device, hold_test=not loop_over_test
         )
+        total = len(train_source) if hasattr(train_source, "__len__") else None
+        result = attribution_utils.score_sources(
+            self.progress(checks.train_source(train_source), total=total),
+            checks.test_source(test_source),
+            device,
+            inner_product=self.inner_product,
+            transform_train=checks.transform_train(self.transform_train_rep),
+            transform_test=checks.transform_test(transform_test or self.transform_test_rep),
+            batch_size=self.args.per_device_train_batch_size,
+            loop_over_test=loop_over_test,
+            granularity=attribution_granularity,
+            inner_product_per_token=self.inner_product_per_token,
+        )
+        self.scored_layers = checks.finish()
+        return result
 
     def build_score(
         self,

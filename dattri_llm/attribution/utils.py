@@ -1,16 +1,19 @@
 """Shared machinery of the attributors: gradient collection and the scoring loop.
 
-The scoring loop pairs every training block with every test block of two
-:class:`~dattri_llm.gradient.streaming.GradientSource` objects and calls the
-attributor's extension hooks (``transform_*_rep``, ``inner_product``,
-``inner_product_per_token``). Scores are float32 on CPU, ``(num_train_rows,
+`collect_gradients` saves a streamer's blocks into a store; `score_sources`
+pairs every training batch with every test block of two gradient sources
+(iterables of ``(step, Gradient, ids)``) through caller-supplied transforms
+and inner products. Scores are float32 on CPU, ``(num_train_rows,
 num_test)``; columns are the distinct test identifiers in first-appearance
-order.
+order. `_ScoringChecks` holds what an attributor adds around one scoring pass
+(layer compatibility, the shared-layer audit, test-side preparation).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import json
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -19,15 +22,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from dattri_llm.gradient.streaming import GradientStreamer, rebatch_blocks
+from dattri_llm.gradient.async_writer import AsyncGradientWriter
+from dattri_llm.gradient.gradient import GradientRecord
+from dattri_llm.gradient.streaming import rebatch_blocks
+from dattri_llm.utils.cache import CacheBudget, TensorCache
 
 if TYPE_CHECKING:
-    from dattri_llm.attribution.base import BaseInnerProductAttributor
     from dattri_llm.gradient.gradient import Gradient
-    from dattri_llm.gradient.storage_manager import GradientStorageManager
     from dattri_llm.gradient.streaming import GradientSource
-    from dattri_llm.utils.cache import CacheBudget, TensorCache
 
+ATTRIBUTION_GRANULARITIES = ("instance", "token")
 LR_SCHEDULE_FILE = "lr_schedule.json"
 PARAM_GRAD_TYPE = "param_grad_layers"
 _COMPARED_PROJECTION_KEYS = (
@@ -60,41 +64,41 @@ def normalize_layer_names(x: str | Iterable[str] | None) -> list[str] | None:
 # ---------------------------------------------------------------------------- collection
 def collect_gradients(
     streamer: Any,
-    store: GradientStorageManager,
+    store: Any,
     *,
     offload_interval: int = 1,
-    on_block: Callable[[int, Gradient, list[str]], None] | None = None,
+    on_block: Callable[[int, Gradient, Any], None] | None = None,
     async_write: bool | None = None,
-) -> GradientStorageManager:
+) -> Any:
     """Enter ``streamer``, save every block into ``store`` and return the store.
 
-    Each block becomes one per-batch ``GradientRecord(step=label, input_hash=ids)``
-    stamped with the streamer's ``sample_id_key``; groups of
-    ``offload_interval`` records are written together (through an
-    ``AsyncGradientWriter`` when ``async_write``, default
-    ``args.async_disk_write``). ``on_block(step, grad, ids)`` sees each block
-    before it is saved. The streamer's capture projection is declared to the
-    store first (a store declaring another projection → ``ValueError``).
-    """
-    from dattri_llm.gradient.async_writer import AsyncGradientWriter
-    from dattri_llm.gradient.gradient import GradientRecord
+    Needs from the streamer only ``args.async_disk_write`` (read with
+    ``getattr``, missing = ``False``, and only when ``async_write is None``),
+    ``hook_manager.sample_id_key``, the context-manager protocol and iteration
+    yielding ``(step, grad, hashes)``; from the store only ``save_bulk``. Each
+    block becomes ``GradientRecord(step, hashes as yielded, grad,
+    sample_id_key)`` after ``on_block(step, grad, hashes)`` saw it; every
+    ``offload_interval`` records are saved as one group, the rest at the end.
+    With ``async_write`` the groups go through an ``AsyncGradientWriter(store)``,
+    closed before returning (every write drained, a write error re-raised).
 
+    Raises:
+        ValueError: ``offload_interval < 1`` (before anything else happens).
+    """
     if offload_interval < 1:
         raise ValueError(f"offload_interval must be >= 1, got {offload_interval}")
     if async_write is None:
-        async_write = bool(streamer.args.async_disk_write)
+        async_write = getattr(getattr(streamer, "args", None), "async_disk_write", False)
     sample_id_key = streamer.hook_manager.sample_id_key
-    config = streamer.hook_manager.config
-    store.declare_projection(config.projection_kwargs, config.projector)
     writer = AsyncGradientWriter(store) if async_write else None
     write = writer.submit if writer is not None else store.save_bulk
-    staged: list[GradientRecord] = []
     try:
         with streamer:
-            for step, grad, ids in streamer:
+            staged: list[GradientRecord] = []
+            for step, grad, hashes in streamer:
                 if on_block is not None:
-                    on_block(step, grad, ids)
-                staged.append(GradientRecord(step, list(ids), grad, sample_id_key))
+                    on_block(step, grad, hashes)
+                staged.append(GradientRecord(step, hashes, grad, sample_id_key))
                 if len(staged) >= offload_interval:
                     write(staged)
                     staged = []
@@ -342,63 +346,304 @@ def per_sample_layers(block: Gradient) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- scoring loop
-class _TestColumns:
-    """Maps each test block's rows to score columns (first appearance wins)."""
+def check_granularity(value: str, name: str = "attribution_granularity") -> None:
+    """Raise ``ValueError`` unless ``value`` is in ``ATTRIBUTION_GRANULARITIES``."""
+    if value not in ATTRIBUTION_GRANULARITIES:
+        raise ValueError(f"{name} must be one of {ATTRIBUTION_GRANULARITIES}, got {value!r}")
+
+
+def _require_reusable(test_source: object) -> None:
+    """Raise ``ValueError`` unless ``test_source.reusable`` is truthy (``loop_over_test``)."""
+    if not getattr(test_source, "reusable", False):
+        raise ValueError(
+            "loop_over_test re-streams the test source for every train block, but the test "
+            f"source {type(test_source).__name__} is not reusable; pass a reusable source "
+            "(a store, DiskGradientSource or GradientStreamer) or loop_over_test=False"
+        )
+
+
+def _identity(block: Gradient) -> Gradient:
+    """The default transform."""
+    return block
+
+
+def _to_device(block: Gradient, device: torch.device) -> Gradient:
+    """``block`` on ``device`` (unchanged when already there)."""
+    return block if block.device == device else block.to(device=device)
+
+
+class _Columns:
+    """Score columns: the distinct test identifiers (``str``) in first-appearance order."""
 
     def __init__(self) -> None:
         self.ids: list[str] = []
-        self._col: dict[str, int] = {}
-        self._plans: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
+        self._index: dict[str, int] = {}
 
-    def plan(self, position: int, ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kept rows, their columns)`` of the test block at ``position`` in the pass."""
+    def assign(self, ids: Iterable[object]) -> list[int]:
+        """Column of each identifier, adding the ones not seen before."""
         ids = [str(h) for h in ids]
-        if position < len(self._plans):
-            seen_ids, keep, cols = self._plans[position]
-            if seen_ids != ids:
-                raise ValueError(
-                    f"test block {position} changed between passes (loop_over_test needs a "
-                    "test source that yields the same samples in the same order every pass)"
-                )
-            return keep, cols
-        keep, cols = [], []
-        for row, h in enumerate(ids):
-            if h in self._col:
-                continue
-            self._col[h] = len(self.ids)
-            self.ids.append(h)
-            keep.append(row)
-            cols.append(self._col[h])
-        plan = (ids, torch.tensor(keep, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
-        self._plans.append(plan)
-        return plan[1], plan[2]
+        for h in ids:
+            if h not in self._index:
+                self._index[h] = len(self.ids)
+                self.ids.append(h)
+        return self.lookup(ids)
+
+    def lookup(self, ids: Iterable[object]) -> list[int]:
+        """Column of each identifier; ``KeyError`` for one the first pass did not yield."""
+        ids = [str(h) for h in ids]
+        unseen = [h for h in ids if h not in self._index]
+        if unseen:
+            raise KeyError(
+                f"test ids {unseen} were not yielded by the first pass over the test source; "
+                "loop_over_test needs a test source that yields the same samples every pass"
+            )
+        return [self._index[h] for h in ids]
 
 
+class _TestBlock(NamedTuple):
+    """A transformed test block and the score column of each of its rows."""
+
+    rep: Gradient
+    cols: list[int]
+
+
+def _first_test_pass(
+    test_source: Iterable[tuple[int, Gradient, list[str]]],
+    columns: _Columns,
+    device: torch.device,
+    transform_test: Callable[[Gradient], Gradient],
+    *,
+    hold: bool,
+) -> list[_TestBlock]:
+    """Assign the columns; with ``hold``, move and transform each block and keep it."""
+    held = []
+    for _step, block, ids in test_source:
+        cols = columns.assign(ids)
+        if hold:
+            held.append(_TestBlock(transform_test(_to_device(block, device)), cols))
+        del block
+    return held
+
+
+def _has_broadcast_layer(rep: Gradient) -> bool:
+    """Whether a dense layer of ``rep`` holds one row shared by a block of several samples."""
+    batches = [
+        value.shape[0]
+        for name, value in rep.data.items()
+        if isinstance(value, torch.Tensor) and rep.layer_types[name] != PARAM_GRAD_TYPE
+    ]
+    return 1 in batches and max(batches) > 1
+
+
+def _merge_dense_blocks(blocks: list[_TestBlock], num_columns: int) -> list[_TestBlock]:
+    """Concatenate each run of consecutive dense test blocks into one (``rebatch_blocks``).
+
+    Re-batching to ``num_columns`` rows (as many as a run of distinct samples can
+    hold) merges a run into one block with its column lists concatenated;
+    factorized blocks break a run and stay separate. So does a block with a
+    broadcast (batch-1) dense layer: concatenation would average that row with
+    the other blocks' rows and change the scores.
+    """
+    merged: list[_TestBlock] = []
+    for broadcast, run in itertools.groupby(blocks, key=lambda b: _has_broadcast_layer(b.rep)):
+        if broadcast:
+            merged.extend(run)
+            continue
+        batches = rebatch_blocks(((0, b.rep, b.cols) for b in run), max(num_columns, 1))
+        merged.extend(_TestBlock(rep, list(cols)) for _steps, rep, cols in batches)
+    return merged
+
+
+def _restreamed_tests(
+    test_source: Iterable[tuple[int, Gradient, list[str]]],
+    columns: _Columns,
+    device: torch.device,
+    transform_test: Callable[[Gradient], Gradient],
+) -> Iterator[_TestBlock]:
+    """Each block of a new pass over ``test_source``, moved, transformed, with its columns."""
+    for _step, block, ids in test_source:
+        item = _TestBlock(transform_test(_to_device(block, device)), columns.lookup(ids))
+        del block
+        yield item
+        del item
+
+
+def _token_count(rep: Gradient) -> int:
+    """``T``: the largest token axis of ``rep``'s ``batch_token`` layers (1 if none)."""
+    return max((t for t in rep.token_dim.values() if t is not None), default=1)
+
+
+def _write_columns(scores: torch.Tensor, values: torch.Tensor, cols: list[int]) -> None:
+    """``scores[:, cols] = values`` as CPU float32; a repeated column keeps its last row."""
+    last = {col: row for row, col in enumerate(cols)}
+    rows = torch.tensor(list(last.values()), dtype=torch.long, device=values.device)
+    scores[:, list(last)] = values.detach()[:, rows].to(device="cpu", dtype=torch.float32)
+
+
+def _pair_scores(
+    rep: Gradient,
+    test: _TestBlock,
+    samples: int,
+    tokens: int,
+    *,
+    inner_product: Callable[..., torch.Tensor],
+    inner_product_per_token: Callable[[Gradient, Gradient], torch.Tensor] | None,
+    dense_cache: TensorCache | None,
+) -> torch.Tensor:
+    """``(samples·tokens, len(test.cols))`` scores of a train batch against one test block.
+
+    Token level (``inner_product_per_token`` given): ``(samples, tokens, B_te)``
+    reshaped; instance level: ``inner_product(..., dense_cache=dense_cache)``.
+    A scorer returning another shape raises ``ValueError``.
+    """
+    if inner_product_per_token is None:
+        name, shape = "inner_product", (samples, len(test.cols))
+        values = inner_product(rep, test.rep, dense_cache=dense_cache)
+    else:
+        name, shape = "inner_product_per_token", (samples, tokens, len(test.cols))
+        values = inner_product_per_token(rep, test.rep)
+    if tuple(values.shape) != shape:
+        raise ValueError(
+            f"{name} returned a tensor of shape {tuple(values.shape)} for a train batch of "
+            f"{samples} samples and a test block of {len(test.cols)}; expected {shape}"
+        )
+    return values.reshape(samples * tokens, len(test.cols))
+
+
+def _batch_scores(
+    rep: Gradient,
+    tests: Iterable[_TestBlock],
+    samples: int,
+    tokens: int,
+    num_test: int,
+    dense_cache: TensorCache | None,
+    score_pair: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """``(samples·tokens, num_test)`` CPU float32 scores of a train batch against every test block.
+
+    Columns no test block reaches stay 0; ``dense_cache`` is closed on return.
+    """
+    scores = torch.zeros(samples * tokens, num_test, dtype=torch.float32)
+    with dense_cache if dense_cache is not None else contextlib.nullcontext():
+        for test in tests:
+            values = score_pair(rep, test, samples, tokens, dense_cache=dense_cache)
+            _write_columns(scores, values, test.cols)
+    return scores
+
+
+def score_sources(
+    train_source: Iterable[tuple[int, Gradient, list[str]]],
+    test_source: Iterable[tuple[int, Gradient, list[str]]],
+    device: torch.device | str,
+    *,
+    inner_product: Callable[..., torch.Tensor],
+    transform_train: Callable[[Gradient], Gradient] | None = None,
+    transform_test: Callable[[Gradient], Gradient] | None = None,
+    batch_size: int = 1,
+    loop_over_test: bool = False,
+    cache_budget: CacheBudget | None = None,
+    granularity: str = "instance",
+    inner_product_per_token: Callable[[Gradient, Gradient], torch.Tensor] | None = None,
+) -> ScoreResult:
+    """Score every train batch of ``train_source`` against every test block of ``test_source``.
+
+    Both sources yield ``(step, Gradient, ids)``. The test source is iterated
+    first: columns are its distinct ids (as ``str``) in first-appearance order,
+    and (unless ``loop_over_test``) each block is moved to ``device``,
+    transformed and held; runs of consecutive dense held blocks are merged.
+    Train blocks are re-batched with ``rebatch_blocks(train_source,
+    batch_size)``, moved, transformed, and scored with
+    ``inner_product(train_rep, test_rep, dense_cache=...)`` -> ``(B_tr, B_te)``.
+    ``dense_cache`` is a fresh ``TensorCache("memory", budget=cache_budget)``
+    per train batch (closed after it met every test block) when
+    ``loop_over_test`` or more than one held block remains, at instance
+    granularity; otherwise ``None``. ``loop_over_test`` re-streams and
+    re-transforms the (``reusable``) test source for every train batch.
+    Token granularity scores with ``inner_product_per_token(train_rep,
+    test_rep)`` -> ``(B, T, B_te)``: each sample gives ``T`` consecutive rows
+    (``T`` = the largest ``train_rep.token_dim``, 1 if none), token ids
+    ``0..T-1``. A column id that repeats takes the last value written.
+
+    Returns:
+        ``(scores, row_train_ids, row_steps, test_ids, row_token_ids)``:
+        ``scores`` CPU float32 ``(num_rows, num_test)``; ``row_token_ids`` is
+        ``None`` at instance granularity. An empty train source gives
+        ``(zeros(0, num_test), [], [], test_ids, None or [])``.
+
+    Raises:
+        ValueError: unknown ``granularity``; ``"token"`` without
+            ``inner_product_per_token``; ``loop_over_test`` with a test source
+            that is not ``reusable``; a scorer returning the wrong shape.
+        KeyError: a later pass over the test source yields an id the first did not.
+    """
+    check_granularity(granularity, "granularity")
+    token_level = granularity == "token"
+    if token_level and inner_product_per_token is None:
+        raise ValueError("granularity='token' needs inner_product_per_token")
+    if loop_over_test:
+        _require_reusable(test_source)
+    device = torch.device(device)
+    transform_train = transform_train or _identity
+    transform_test = transform_test or _identity
+    budget = cache_budget if cache_budget is not None else CacheBudget(device)
+    columns = _Columns()
+    held = _first_test_pass(test_source, columns, device, transform_test, hold=not loop_over_test)
+    held = _merge_dense_blocks(held, len(columns.ids))
+    use_cache = not token_level and (loop_over_test or len(held) > 1)
+    num_test = len(columns.ids)
+    score_pair = functools.partial(
+        _pair_scores,
+        inner_product=inner_product,
+        inner_product_per_token=inner_product_per_token if token_level else None,
+    )
+    matrices: list[torch.Tensor] = []
+    row_ids: list[str] = []
+    row_steps: list[int] = []
+    row_tokens: list[int] | None = [] if token_level else None
+    for steps, block, ids in rebatch_blocks(train_source, batch_size):
+        rep = transform_train(_to_device(block, device))
+        del block  # release the raw captures before the test blocks are scored
+        tokens = _token_count(rep) if token_level else 1
+        tests = (
+            _restreamed_tests(test_source, columns, device, transform_test)
+            if loop_over_test
+            else held
+        )
+        cache = TensorCache("memory", budget=budget) if use_cache else None
+        scores = _batch_scores(rep, tests, len(ids), tokens, num_test, cache, score_pair)
+        del rep  # release this batch before the train source produces the next one
+        matrices.append(scores)
+        for step, sample in zip(steps, ids):
+            row_ids.extend([str(sample)] * tokens)
+            row_steps.extend([int(step)] * tokens)
+            if row_tokens is not None:
+                row_tokens.extend(range(tokens))
+    matrix = torch.cat(matrices) if matrices else torch.zeros(0, num_test, dtype=torch.float32)
+    return matrix, row_ids, row_steps, list(columns.ids), row_tokens
+
+
+# ---------------------------------------------------------------------------- attributor checks
 class _LayerAudit:
-    """Tracks which layers were scored, to reject disjoint caches and warn on partial overlap."""
+    """Layers seen on each side, to reject disjoint caches and warn on partial overlap.
+
+    Every train block meets every test block, so the layers scored by some pair
+    are exactly those seen on both sides.
+    """
 
     def __init__(self) -> None:
-        self.shared: set[str] = set()
-        self.train_only: set[str] = set()
-        self.test_only: set[str] = set()
         self.train_seen: set[str] = set()
         self.test_seen: set[str] = set()
 
-    def record(self, train_layers: set[str], test_layers: set[str]) -> list[str]:
-        shared = train_layers & test_layers
-        self.shared |= shared
-        self.train_seen |= train_layers
-        self.test_seen |= test_layers
-        return sorted(shared)
-
-    def finish(self) -> None:
-        if not self.shared:
+    def finish(self) -> list[str]:
+        """The shared layers (sorted); ``ValueError`` if none, ``UserWarning`` for one-sided."""
+        shared = self.train_seen & self.test_seen
+        if not shared:
             raise ValueError(
                 "train and test gradients share no layer: train layers "
                 f"{sorted(self.train_seen)}, test layers {sorted(self.test_seen)}; capture both "
                 "sides with the same hook config or pass layer_name"
             )
-        unshared = (self.train_seen ^ self.test_seen) - self.shared
+        unshared = self.train_seen ^ self.test_seen
         if unshared:
             warnings.warn(
                 f"layers {sorted(unshared)} were captured on only one side and do not "
@@ -406,6 +651,7 @@ class _LayerAudit:
                 UserWarning,
                 stacklevel=3,
             )
+        return sorted(shared)
 
 
 def _drop_param_grad(block: Gradient) -> Gradient:
@@ -427,215 +673,139 @@ def _drop_param_grad(block: Gradient) -> Gradient:
     return block.select_layers(keep)
 
 
-def _to_device(block: Gradient, device: torch.device) -> Gradient:
-    """``block`` on ``device`` (unchanged when already there)."""
-    return block if block.device == device else block.to(device=device)
+class _CheckedTestSource:
+    """A test source whose raw blocks are recorded by ``checks`` (same re-iterability)."""
+
+    def __init__(self, source: GradientSource, checks: _ScoringChecks) -> None:
+        self.source = source
+        self.checks = checks
+
+    @property
+    def reusable(self) -> bool:
+        """Whether the wrapped source can be iterated again."""
+        return bool(getattr(self.source, "reusable", False))
+
+    def __iter__(self) -> Iterator[tuple[int, Gradient, list[str]]]:
+        count = 0
+        for step, block, ids in self.source:
+            item = (step, self.checks.see_test_block(block), ids)
+            del block
+            count += 1
+            yield item
+            del item
+        self.checks.test_blocks = count
 
 
-class _HeldTest(NamedTuple):
-    """A prepared test block: its raw layout (for checks) and its scoring representation.
+class _ScoringChecks:
+    """Attributor-level bookkeeping of one pass of :func:`score_sources`.
 
-    The raw captured block itself is not kept: only its layer names and signatures are
-    needed after the transform, and holding it would double the test side's memory.
+    Wraps the sources and transforms an attributor hands to :func:`score_sources`:
+    batch-level ``param_grad`` layers are dropped from both sides; every raw
+    train block's shared layers are checked against the raw test blocks
+    (widths, dtypes, capture projection) before it is transformed; the layers
+    seen on each side are audited (:meth:`finish`); held test representations
+    get their dense-preferred layers materialized within a budget
+    (:func:`finalize_factors`) and raw linear factors preprocessed once; a train
+    representation that meets several test blocks has its raw factors
+    preprocessed once.
+
+    Args:
+        train_source: the attributor's train source (its projection record is read).
+        test_source: the attributor's test source (likewise).
+        device: the scoring device (budget of the held test side).
+        hold_test: whether test representations are held for the pass
+            (``not loop_over_test``).
     """
-
-    layers: set[str]
-    signatures: dict[str, tuple]
-    rep: Gradient
-    keep: torch.Tensor
-    cols: torch.Tensor
-
-
-class _ScoringPass:
-    """One pass of the scoring loop over a train and a test source."""
 
     def __init__(
         self,
-        attributor: BaseInnerProductAttributor,
         train_source: GradientSource,
         test_source: GradientSource,
+        device: torch.device,
         *,
-        loop_over_test: bool,
-        transform_test: Callable[[Gradient], Gradient],
-        token_level: bool,
+        hold_test: bool,
     ) -> None:
-        self.attributor = attributor
-        self.test_source = test_source
-        self.loop_over_test = loop_over_test
-        self.transform_test = transform_test
-        self.token_level = token_level
-        self.device = torch.device(attributor.args.device)
-        self.columns = _TestColumns()
-        self.audit = _LayerAudit()
-        self.held_tests: list[_HeldTest] | None = None
         self.projections = {
             "train_projection": source_projection(train_source),
             "test_projection": source_projection(test_source),
         }
+        self.hold_test = hold_test
+        self.audit = _LayerAudit()
+        self.test_tables: list[dict[str, tuple]] = []
+        self.test_blocks = 0
+        self.train_blocks = 0
+        self._budget = CacheBudget(device)
+        self._held = 0
 
-    def _prepared_tests(self) -> Iterator[_HeldTest]:
-        """Yield each test block prepared for scoring.
+    def see_test_block(self, block: Gradient) -> Gradient:
+        """Record a raw test block's layers and signatures; return it without param_grad."""
+        block = _drop_param_grad(block)
+        self.audit.test_seen |= block.layer_names
+        table = _layer_signatures(block)
+        if table not in self.test_tables:
+            self.test_tables.append(table)
+        return block
 
-        Held (not ``loop_over_test``) representations have their dense-preferred
-        layers materialized (:func:`finalize_factors`) and their raw linear factors
-        preprocessed once, instead of once per train block.
+    def see_train_block(self, block: Gradient) -> Gradient:
+        """Check a raw train block against the test side; return it without param_grad."""
+        block = _drop_param_grad(block)
+        self.train_blocks += 1
+        self.audit.train_seen |= block.layer_names
+        shared = sorted(block.layer_names & self.audit.test_seen)
+        signatures = _layer_signatures(block, shared)
+        for table in self.test_tables:
+            on_both = [name for name in shared if name in table]
+            _check_signatures(signatures, table, on_both, **self.projections)
+        return block
+
+    def test_source(self, source: GradientSource) -> _CheckedTestSource:
+        """``source`` with each raw block passed through :meth:`see_test_block`."""
+        return _CheckedTestSource(source, self)
+
+    def train_source(
+        self, source: Iterable[tuple[int, Gradient, list[str]]]
+    ) -> Iterator[tuple[int, Gradient, list[str]]]:
+        """``source`` through :meth:`see_train_block`; ``ValueError`` first if no test block.
+
+        The test source is iterated before the train source moves, so an empty
+        test set is refused before any train block is produced.
         """
-        from dattri_llm.utils.cache import CacheBudget
-
-        budget = CacheBudget(self.device)
-        held = 0
-        for position, (_step, block, ids) in enumerate(self.test_source):
-            block = _to_device(_drop_param_grad(block), self.device)
-            keep, cols = self.columns.plan(position, ids)
-            layers, signatures = set(block.layer_names), _layer_signatures(block)
-            rep = self.transform_test(block)
-            del block  # the raw captures are not needed once transformed
-            if not self.loop_over_test:
-                rep = _preprocess_layers(
-                    finalize_factors(rep, budget=budget, held=held), conv=False
-                )
-                held += rep.nbytes
-            yield _HeldTest(layers, signatures, rep, keep, cols)
-
-    def tests(self) -> Iterable[_HeldTest]:
-        """The test blocks for the next train block (held, or re-streamed)."""
-        if self.loop_over_test:
-            return self._prepared_tests()
-        if self.held_tests is None:
-            self.held_tests = list(self._prepared_tests())
-            if not self.held_tests:
-                raise ValueError("the test set is empty: the test source yielded no block")
-        return self.held_tests
-
-    def _several_test_blocks(self) -> bool:
-        """Whether each train block meets more than one test block (unknown → ``True``)."""
-        if self.held_tests is not None:
-            return len(self.held_tests) > 1
-        try:
-            return len(self.test_source) != 1
-        except TypeError:
-            return True
-
-    def score_block(self, block: Gradient) -> tuple[torch.Tensor, int]:
-        """Scores of one raw train block against every test block: ``((rows, num_test), T)``.
-
-        With several test blocks, the train block's raw factors are preprocessed once and
-        its materialized layers cached across test blocks; against a single test block
-        each layer is preprocessed or materialized only while it is scored, so the
-        block's layers never hold a second copy all at once.
-        """
-        from dattri_llm.utils.cache import CacheBudget, TensorCache
-
-        block = _to_device(_drop_param_grad(block), self.device)
-        layers, signatures = set(block.layer_names), _layer_signatures(block)
-        rep = self.attributor.transform_train_rep(block)
-        del block
-        tests = self.tests()
-        reused = self._several_test_blocks()
-        if reused:
-            rep = _preprocess_layers(rep)
-        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
-        tokens = 1
-        cache = TensorCache("memory", budget=CacheBudget(self.device)) if reused else None
-        with cache if cache is not None else contextlib.nullcontext():
-            for test in tests:
-                shared = self.audit.record(layers, test.layers)
-                _check_signatures(signatures, test.signatures, shared, **self.projections)
-                values = self._pair_scores(rep, test.rep, cache)
-                tokens = values.shape[1] if self.token_level else 1
-                values = values.reshape(-1, values.shape[-1])
-                pieces.append((values[:, test.keep.to(values.device)], test.cols))
-        if not pieces:
+        if not self.test_blocks:
             raise ValueError("the test set is empty: the test source yielded no block")
-        rows = pieces[0][0].shape[0]
-        scores = torch.zeros(rows, len(self.columns.ids), dtype=torch.float32)
-        for values, cols in pieces:
-            scores[:, cols] = values.detach().to(device="cpu", dtype=torch.float32)
-        return scores, tokens
+        for step, block, ids in source:
+            item = (step, self.see_train_block(block), ids)
+            del block
+            yield item
+            del item
 
-    def _pair_scores(
-        self, rep: Gradient, test_rep: Gradient, dense_cache: TensorCache | None
-    ) -> torch.Tensor:
-        """``(B_tr, B_te)`` or, token-level, ``(B_tr, T, B_te)`` scores of one block pair."""
-        if self.token_level:
-            return self.attributor.inner_product_per_token(rep, test_rep)
-        return self.attributor.inner_product(rep, test_rep, dense_cache=dense_cache)
+    def transform_test(self, transform: Callable[[Gradient], Gradient]) -> Callable:
+        """``transform``, then (held test side) dense-preferred layers and final factors."""
 
+        def prepared(block: Gradient) -> Gradient:
+            rep = transform(block)
+            if not self.hold_test:
+                return rep
+            rep = finalize_factors(rep, budget=self._budget, held=self._held)
+            rep = _preprocess_layers(rep, conv=False)
+            self._held += rep.nbytes
+            return rep
 
-def _train_blocks(
-    source: GradientSource, batch_size: int
-) -> Iterator[tuple[list[int], Gradient, list[str]]]:
-    """``rebatch_blocks(source, batch_size)``; a live streamer of that batch size passes through.
+        return prepared
 
-    A ``GradientStreamer`` yields batches of its own batch size (only the last one is
-    shorter), so re-batching it to the same size is the identity. Passing it through
-    here drops each block as soon as the consumer is done with it, instead of holding
-    its captures while the streamer runs the next batch's forward and backward.
-    """
-    if not isinstance(source, GradientStreamer) or source._batch_size != batch_size:
-        yield from rebatch_blocks(source, batch_size)
-        return
-    for step, block, ids in source:
-        item = ([step] * len(ids), block, list(ids))
-        del block
-        yield item
-        del item
+    def transform_train(self, transform: Callable[[Gradient], Gradient]) -> Callable:
+        """``transform``, then final factors when the train rep meets several test blocks."""
 
+        def prepared(block: Gradient) -> Gradient:
+            rep = transform(block)
+            return _preprocess_layers(rep) if self.test_blocks > 1 else rep
 
-def score_sources(
-    attributor: BaseInnerProductAttributor,
-    train_source: GradientSource,
-    test_source: GradientSource,
-    *,
-    loop_over_test: bool = False,
-    transform_test: Callable[[Gradient], Gradient] | None = None,
-    attribution_granularity: str = "instance",
-) -> ScoreResult:
-    """Score every train block of ``train_source`` against every test block.
+        return prepared
 
-    Returns ``(scores, row_train_ids, row_steps, test_ids, row_token_ids)``;
-    ``scores`` is float32 CPU ``(num_rows, num_test)``. Dense train blocks are
-    re-batched to ``args.per_device_train_batch_size`` rows; test blocks are
-    transformed once and held unless ``loop_over_test`` (then the test source
-    is re-streamed per train block and must be ``reusable``). Token
-    granularity gives each train sample ``T`` consecutive rows (positions
-    ``0..T-1``).
-    """
-    from dattri_llm.attribution.base import check_granularity
+    def finish(self) -> list[str]:
+        """End of pass: ``ValueError`` for an empty training set, then the layer audit.
 
-    check_granularity(attribution_granularity)
-    if loop_over_test and not getattr(test_source, "reusable", False):
-        raise ValueError(
-            "loop_over_test re-streams the test source for every train block, but the test "
-            f"source {type(test_source).__name__} is not reusable"
-        )
-    scoring = _ScoringPass(
-        attributor,
-        train_source,
-        test_source,
-        loop_over_test=loop_over_test,
-        transform_test=transform_test or attributor.transform_test_rep,
-        token_level=attribution_granularity == "token",
-    )
-    blocks: list[torch.Tensor] = []
-    row_ids: list[str] = []
-    row_steps: list[int] = []
-    row_tokens: list[int] | None = [] if scoring.token_level else None
-    if not loop_over_test:
-        scoring.tests()  # queries are taken before the train source moves (θ_0 for trajectories)
-    train_iter = _train_blocks(train_source, attributor.args.per_device_train_batch_size)
-    for steps, block, ids in attributor.progress(train_iter, total=len(train_source)):
-        scores, tokens = scoring.score_block(block)
-        del block  # release this block's captures before the next one is produced
-        blocks.append(scores)
-        for step, sample in zip(steps, ids):
-            row_ids.extend([str(sample)] * tokens)
-            row_steps.extend([int(step)] * tokens)
-            if row_tokens is not None:
-                row_tokens.extend(range(tokens))
-    if not blocks:
-        raise ValueError("the training set is empty: the train source yielded no block")
-    scoring.audit.finish()
-    attributor.scored_layers = sorted(scoring.audit.shared)
-    matrix = torch.cat(blocks, dim=0)
-    return matrix, row_ids, row_steps, list(scoring.columns.ids), row_tokens
+        Returns the layers both sides shared (sorted).
+        """
+        if not self.train_blocks:
+            raise ValueError("the training set is empty: the train source yielded no block")
+        return self.audit.finish()

@@ -1,13 +1,16 @@
-"""Training-step pieces of `GradientStreamer`: loss check, optimizer, RNG state.
+"""Training-step pieces of `GradientStreamer`: loss check, optimizer, RNG and gradient state.
 
 Private to :mod:`dattri_llm.gradient.streaming`; the optimizer construction
 mirrors the Hugging Face ``Trainer`` (no weight decay on biases and 1-D
-parameters).
+parameters). `stash_gradients` / `restore_gradients` set a trajectory's
+gradients aside while a probe runs and hand them back exactly, also when a
+wrapper keeps them in its own buffers (DDP buckets, FSDP flat gradients).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -104,3 +107,107 @@ def set_rng_state(state: dict[str, object]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- gradient stash
+
+
+class StashedGradient(NamedTuple):
+    """One parameter's gradient as :func:`stash_gradients` set it aside.
+
+    ``grad`` is the ``.grad`` tensor itself (``None`` when there was none).
+    ``values`` is ``None`` for a gradient taken off the parameter; for one left
+    attached (it lives in a wrapper's buffer) it is a copy of its values.
+    """
+
+    param: nn.Parameter
+    grad: torch.Tensor | None
+    values: torch.Tensor | None
+
+
+def stash_gradients(params: Iterable[nn.Parameter]) -> list[StashedGradient]:
+    """Set the gradients on ``params`` aside so that a probe's backward cannot change them.
+
+    A standalone gradient (nothing else references its storage) is taken off
+    the parameter (``.grad = None``) and kept as it is. A gradient whose
+    storage a wrapper owns (a view into a DDP bucket under
+    ``gradient_as_bucket_view=True`` or into an FSDP flat gradient, or an FSDP
+    ``keep_low_precision_grads`` gradient in another dtype than its parameter)
+    stays attached, because the wrapper keeps those views and its buffers
+    consistent (and may move a buffer to a new storage or dtype during a
+    backward) and the probe's backward writes into the buffer anyway: its
+    values are copied (memory: those gradients, while the stash is held) and
+    it is zeroed in place. Either way the parameters start the probe with no
+    gradient.
+    """
+    stash = [StashedGradient(p, p.grad, _copy_if_wrapper_owned(p)) for p in params]
+    clear_probe_gradients(stash)  # only once every copy exists: a failed copy changes nothing
+    return stash
+
+
+def clear_probe_gradients(stash: list[StashedGradient]) -> None:
+    """Empty the parameters' gradients for the next probe batch.
+
+    ``.grad = None`` where the stash took the gradient off; zeros written in
+    place where it left a wrapper-owned gradient attached. Each probe
+    batch's backward thus leaves only its own gradient in ``.grad``.
+    """
+    with torch.no_grad():
+        for entry in stash:
+            if entry.values is None:
+                entry.param.grad = None
+            elif entry.param.grad is not None:
+                entry.param.grad.zero_()
+
+
+def restore_gradients(stash: list[StashedGradient]) -> None:
+    """Hand every stashed gradient back with its dtype, shape and values.
+
+    A gradient taken off is re-attached (the same tensor). One left attached
+    gets its values written back into the gradient tensor the wrapper now
+    exposes, so it keeps the storage the wrapper expects; if the parameter has
+    no gradient any more, the stashed tensor is re-attached and refilled.
+    """
+    for param, grad, values in stash:
+        if values is None:
+            attach_gradient(param, grad)
+            continue
+        if param.grad is None:
+            attach_gradient(param, grad)
+        with torch.no_grad():
+            param.grad.copy_(values)
+
+
+def attach_gradient(param: nn.Parameter, grad: torch.Tensor | None) -> None:
+    """``param.grad = grad``, also for a gradient kept in another dtype than ``param``'s.
+
+    FSDP ``MixedPrecision(keep_low_precision_grads=True)`` keeps bf16/fp16
+    gradients on full-precision parameters, which a plain assignment refuses;
+    such a gradient is attached as FSDP attaches it: a placeholder of the
+    parameter's dtype is assigned and its ``.data`` set to ``grad``, so
+    ``param.grad`` has ``grad``'s storage, dtype and shape.
+    """
+    accepted = getattr(param, "grad_dtype", param.dtype)  # None: any dtype is accepted
+    if grad is None or accepted is None or grad.dtype == accepted:
+        param.grad = grad
+        return
+    param.grad = torch.empty_like(param)
+    param.grad.data = grad
+
+
+def _copy_if_wrapper_owned(param: nn.Parameter) -> torch.Tensor | None:
+    """A copy of ``param.grad`` if a wrapper may own its storage, else ``None``.
+
+    Wrapper-owned: a view or a slice of a larger storage (DDP bucket views,
+    FSDP flat-gradient views), or a dtype other than the parameter's (FSDP
+    ``keep_low_precision_grads`` attaches those through ``.data``, which
+    hides the view).
+    """
+    grad = param.grad
+    if grad is None or grad.layout != torch.strided:  # sparse gradients are standalone
+        return None
+    own_bytes = grad.numel() * grad.element_size()
+    shared = grad._is_view() or grad.untyped_storage().nbytes() > own_bytes
+    if shared or grad.dtype != param.dtype:
+        return grad.detach().clone()
+    return None

@@ -11,6 +11,9 @@ order of the groups, then ascending step), and each group is read once even
 when it holds several steps. `DiskGradientSource` is the re-iterable gradient
 source over a store, and `rebatch_blocks` cuts any source's dense blocks to a
 fixed number of rows (both re-exported by :mod:`dattri_llm.gradient.streaming`).
+`GradientFileMultiStepDataset` / `make_gradient_multistep_dataloader` are the
+reading helpers of the reference design (one ``{step: (block, hashes)}`` item
+per group file); they read through the same `GroupBlockDataset`.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ if TYPE_CHECKING:
 __all__ = [
     "ACCEPTED_DATASETS",
     "DiskGradientSource",
+    "GradientFileMultiStepDataset",
     "GroupBlockDataset",
     "check_dataset",
     "concatenate_gradients",
     "group_blocks",
     "iter_gradient_blocks",
+    "make_gradient_multistep_dataloader",
     "rebatch_blocks",
     "resolve_layer_filter",
     "resolve_steps",
@@ -185,10 +190,17 @@ def resolve_layer_filter(gradient: Gradient, layer_name: Sequence[str] | None, w
         )
 
 
-def select_block_layers(gradient: Gradient, layer_name: Sequence[str] | None) -> Gradient:
-    """``gradient`` restricted to ``layer_name`` (plus ``name@k``) without ``param_grad`` layers."""
+def select_block_layers(
+    gradient: Gradient, layer_name: Sequence[str] | None, per_sample_only: bool = True
+) -> Gradient:
+    """``gradient`` restricted to ``layer_name`` (plus ``name@k``).
+
+    ``per_sample_only`` also drops the batch-level ``param_grad`` layers.
+    """
     if layer_name is not None:
         gradient = gradient.select_layers(layer_name, include_derived=True)
+    if not per_sample_only:
+        return gradient
     keep = [n for n in gradient.data if not gradient._is_param_grad(n)]
     if len(keep) == len(gradient.data):
         return gradient
@@ -208,13 +220,18 @@ def group_blocks(
     records: Sequence[GradientRecord],
     step_idxs: Mapping[int, Sequence[int]],
     layer_name: Sequence[str] | None = None,
+    per_sample_only: bool = True,
 ) -> list[Block]:
-    """One block per step of one group: its records concatenated, identifiers in order."""
+    """One block per step of one group: its records concatenated, identifiers in order.
+
+    ``per_sample_only`` drops ``param_grad`` layers (else they are summed over
+    the records, as `Gradient.concatenate` does).
+    """
     blocks = []
     for step, idxs in step_idxs.items():
         chosen = [records[i] for i in idxs]
         gradient = concatenate_gradients(
-            [select_block_layers(r.gradient, layer_name) for r in chosen]
+            [select_block_layers(r.gradient, layer_name, per_sample_only) for r in chosen]
         )
         identifiers = [
             h
@@ -238,8 +255,9 @@ def iter_gradient_blocks(
 class GroupBlockDataset(torch.utils.data.Dataset):
     """Map-style dataset: item ``i`` = the blocks of the ``i``-th planned group.
 
-    In a `DataLoader` worker process the blocks are cloned (memory-mapped
-    views are not sent across processes).
+    ``per_sample_only`` drops ``param_grad`` layers (see `group_blocks`). In a
+    `DataLoader` worker process the blocks are cloned (memory-mapped views are
+    not sent across processes).
     """
 
     def __init__(
@@ -247,10 +265,12 @@ class GroupBlockDataset(torch.utils.data.Dataset):
         load: Callable[[str], list[GradientRecord]],
         plan: StepPlan,
         layer_name: Sequence[str] | None,
+        per_sample_only: bool = True,
     ) -> None:
         self.load = load
         self.plan = plan
         self.layer_name = None if layer_name is None else list(layer_name)
+        self.per_sample_only = per_sample_only
 
     @classmethod
     def for_store(
@@ -258,13 +278,14 @@ class GroupBlockDataset(torch.utils.data.Dataset):
         file_manager: GradientStorageManager,
         plan: StepPlan,
         layer_name: Sequence[str] | None,
+        per_sample_only: bool = True,
     ) -> GroupBlockDataset:
         """Dataset over ``plan``, read through ``file_manager.load_records``.
 
         The store drops samples that were saved again later from their older
         records; the manager is picklable, so worker processes read the same way.
         """
-        return cls(file_manager.load_records, plan, layer_name)
+        return cls(file_manager.load_records, plan, layer_name, per_sample_only)
 
     def __len__(self) -> int:
         """Number of groups."""
@@ -273,14 +294,105 @@ class GroupBlockDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> list[Block]:
         """Blocks ``[(step, gradient, identifiers)]`` of group ``index``."""
         location, step_idxs = self.plan[index]
-        blocks = group_blocks(self.load(location), step_idxs, self.layer_name)
+        blocks = group_blocks(self.load(location), step_idxs, self.layer_name, self.per_sample_only)
         if torch.utils.data.get_worker_info() is not None:
             blocks = [(step, gradient.clone(), ids) for step, gradient, ids in blocks]
         return blocks
 
 
-def _identity(item: object) -> object:
-    return item
+def _layer_list(layer_name: str | Sequence[str] | None) -> list[str] | None:
+    """A layer filter as a list (one name → ``[name]``); ``None`` stays ``None``."""
+    if layer_name is None:
+        return None
+    return [layer_name] if isinstance(layer_name, str) else list(layer_name)
+
+
+class GradientFileMultiStepDataset(torch.utils.data.Dataset):
+    """One item per stored group file holding a record of any step in ``steps``.
+
+    Item ``i`` reads that file once and returns ``{step: (block, hashes)}`` for
+    every requested step present in it (ascending step): ``block`` is the
+    `Gradient` of that step's records in stored order (token axes zero-padded
+    to the longest), ``hashes`` their identifiers. Groups come in store order;
+    samples re-saved later are read from their newest record only. Inside a
+    `DataLoader` worker the tensors are copied so they cross the process
+    boundary. ``param_grad`` layers are kept (summed over the records).
+
+    Args:
+        file_manager: the store.
+        steps: a step or steps to read; steps the store does not hold are ignored.
+        layer_name: a layer name or list of names to keep, with their ``name@k``
+            use-site layers (``None`` = every stored layer).
+    """
+
+    def __init__(
+        self,
+        file_manager: GradientStorageManager,
+        steps: int | Iterable[int],
+        layer_name: str | Sequence[str] | None = None,
+    ) -> None:
+        self.file_manager = file_manager
+        self.layer_name = _layer_list(layer_name)
+        self._groups = GroupBlockDataset.for_store(
+            file_manager, file_manager.iter_steps(steps), self.layer_name, per_sample_only=False
+        )
+
+    def __len__(self) -> int:
+        """Number of group files holding a requested step."""
+        return len(self._groups)
+
+    def __getitem__(self, index: int) -> dict[int, tuple[Gradient, list[str]]]:
+        """``{step: (block, hashes)}`` of group file ``index``."""
+        return {step: (block, hashes) for step, block, hashes in self._groups[index]}
+
+
+def make_gradient_multistep_dataloader(
+    file_manager: GradientStorageManager,
+    steps: int | Iterable[int],
+    args: Any,
+    layer_name: str | Sequence[str] | None = None,
+) -> torch.utils.data.DataLoader:
+    """A `DataLoader` over `GradientFileMultiStepDataset`: each batch is one ``{step: ...}`` item.
+
+    Batch size 1, no shuffling, the single item returned unchanged; worker and
+    pin-memory / persistent / prefetch settings from ``args`` (see `_store_loader`).
+    """
+    dataset = GradientFileMultiStepDataset(file_manager, steps, layer_name)
+    return _store_loader(dataset, file_manager, args)
+
+
+def _single_item(batch: list[Any]) -> Any:
+    """Collate of a batch-size-1 loader: the item itself."""
+    return batch[0]
+
+
+def _store_loader(
+    dataset: torch.utils.data.Dataset, file_manager: GradientStorageManager, args: Any
+) -> torch.utils.data.DataLoader:
+    """Loader over a per-group dataset: one group per batch, in order.
+
+    ``args.dataloader_num_workers`` workers for a ``"disk"`` store, 0 for RAM
+    stores; ``dataloader_pin_memory`` (default ``False``), and with workers
+    ``dataloader_persistent_workers`` / ``dataloader_prefetch_factor``.
+    """
+    workers = 0
+    if file_manager.residency == "disk":
+        workers = int(getattr(args, "dataloader_num_workers", 0) or 0)
+    options: dict[str, Any] = {}
+    if workers > 0:
+        options["persistent_workers"] = bool(getattr(args, "dataloader_persistent_workers", False))
+        prefetch = getattr(args, "dataloader_prefetch_factor", None)
+        if prefetch is not None:
+            options["prefetch_factor"] = int(prefetch)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=1,
+        shuffle=False,
+        num_workers=workers,
+        collate_fn=_single_item,
+        pin_memory=bool(getattr(args, "dataloader_pin_memory", False)),
+        **options,
+    )
 
 
 def _one_ahead(iterable: Iterable[Any]) -> Iterator[Any]:
@@ -303,13 +415,15 @@ class DiskGradientSource:
     records of that step in that group, batch-concatenated (tokens padded),
     with their identifiers. ``layer_name`` keeps those layers and their
     ``name@k`` virtual layers; ``param_grad`` layers are dropped with a
-    `UserWarning`. ``"disk"`` stores are read through a `DataLoader` with
-    ``args.dataloader_num_workers`` workers (with 0 workers the next group is
-    prefetched on a background thread); RAM stores are read in-process.
+    `UserWarning`. ``"disk"`` stores are read through a `DataLoader` set up as
+    in `make_gradient_multistep_dataloader` (``args.dataloader_num_workers``
+    workers, pin-memory / persistent / prefetch settings; with 0 workers the
+    next group is prefetched on a background thread); RAM stores are read
+    in-process.
 
     Args:
         file_manager: the store.
-        args: attribution arguments (reads ``dataloader_num_workers`` and
+        args: attribution arguments (reads the ``dataloader_*`` settings and
             ``should_log``).
         steps: stored steps to read (``None`` = all); see `resolve_steps`.
         layer_name: a layer name or list of names (``None`` = all stored layers).
@@ -337,9 +451,7 @@ class DiskGradientSource:
         self._file_manager = file_manager
         self._args = args
         self._steps = resolve_steps(file_manager, steps)
-        self._layer_name = [layer_name] if isinstance(layer_name, str) else layer_name
-        if self._layer_name is not None:
-            self._layer_name = list(self._layer_name)
+        self._layer_name = _layer_list(layer_name)
         self._desc = desc
         self._verbose = verbose
         self._plan = file_manager.iter_steps(self._steps)
@@ -416,11 +528,8 @@ class DiskGradientSource:
         dataset = GroupBlockDataset.for_store(self._file_manager, self._plan, self._layer_name)
         if self._file_manager.residency != "disk":
             return (dataset[i] for i in range(len(dataset)))
-        workers = int(getattr(self._args, "dataloader_num_workers", 0) or 0)
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_size=None, shuffle=False, num_workers=workers, collate_fn=_identity
-        )
-        return iter(loader) if workers > 0 else _one_ahead(loader)
+        loader = _store_loader(dataset, self._file_manager, self._args)
+        return iter(loader) if loader.num_workers > 0 else _one_ahead(loader)
 
 
 # --------------------------------------------------------------------------- re-batching

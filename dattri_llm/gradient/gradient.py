@@ -41,6 +41,7 @@ __all__ = [
     "GradientData",
     "GradientRecord",
     "GradientRepresentation",
+    "GradientShapeError",
     "Indexing",
     "base_layer_name",
 ]
@@ -53,10 +54,20 @@ _INDEXINGS = ("batch", "batch_token")
 _SIMILARITY_METRICS = ("dot", "cosine")
 _SIMILARITY_REDUCES = ("none", "all")
 _ROUTING_MODES = ("auto", "factorized", "materialized")
+_DIMS = ("batch", "token")
 _HASH_PREFIX = 16
 # Kernel errors re-raised with the layer name prefixed (exact types only: subclasses
 # may have other constructors).
 _PREFIXED_ERRORS = (ValueError, TypeError, NotImplementedError)
+
+
+class GradientShapeError(ValueError, RuntimeError):
+    """Two blocks' payloads of one layer disagree in shape (e.g. feature width).
+
+    Both a ``ValueError`` (our errors for bad arguments) and a ``RuntimeError``
+    (what ``torch.cat`` raises in the reference design), so either ``except``
+    clause catches it.
+    """
 
 
 def base_layer_name(name: str) -> str:
@@ -217,6 +228,60 @@ def _as_axis_index(index: int | Sequence[int] | torch.Tensor | slice) -> object:
     return list(index)
 
 
+def _selected_count(
+    index: int | Sequence[int] | torch.Tensor | slice, axis_index: object, batch: int
+) -> int:
+    """Rows a batch ``index`` selects from a block of ``batch`` samples, range-checked.
+
+    Raises:
+        IndexError: an index value outside ``[-batch, batch)`` or a boolean mask
+            whose length is not ``batch``.
+    """
+    if isinstance(axis_index, slice):
+        return len(range(batch)[axis_index])
+    if isinstance(axis_index, torch.Tensor) and axis_index.dtype == torch.bool:
+        if axis_index.shape != (batch,):
+            raise IndexError(
+                f"Gradient.slice: boolean mask of shape {tuple(axis_index.shape)} does not "
+                f"match the block batch size {batch}."
+            )
+        return int(axis_index.sum())
+    values = axis_index.tolist() if isinstance(axis_index, torch.Tensor) else axis_index
+    outside = [v for v in values if not -batch <= v < batch]
+    if outside:
+        raise IndexError(
+            f"Gradient.slice: batch index {index!r} has values {outside} outside the block "
+            f"batch size {batch} (valid: -{batch} .. {batch - 1})."
+        )
+    return len(values)
+
+
+def _index_factors(f: Factorized, axis: int, index: object) -> Factorized:
+    """``f`` with both factors indexed by ``index`` along ``axis``."""
+    return f._with_factors(
+        _index_axis(f.activation, axis, index), _index_axis(f.pre_activation_grad, axis, index)
+    )
+
+
+def _slice_batch(
+    value: GradientData, axis_index: object, repeats: int | None, int_index: bool
+) -> GradientData:
+    """One layer's payload at the selected batch rows.
+
+    A batch-1 (broadcast) layer keeps its row for an ``int`` index and repeats
+    it ``repeats`` times otherwise; others are indexed by ``axis_index``.
+    """
+    axis = value.batch_axis if isinstance(value, Factorized) else 0
+    if _layer_batch(value) == 1 and repeats is not None:
+        if int_index:
+            return value
+        device = value.activation.device if isinstance(value, Factorized) else value.device
+        axis_index = torch.zeros(repeats, dtype=torch.long, device=device)
+    if isinstance(value, Factorized):
+        return _index_factors(value, axis, axis_index)
+    return _index_axis(value, axis, axis_index)
+
+
 def _pad_axis(tensor: torch.Tensor, axis: int, length: int, value: float) -> torch.Tensor:
     """``tensor`` right-padded with ``value`` along ``axis`` to ``length``."""
     missing = length - tensor.shape[axis]
@@ -343,12 +408,12 @@ def _pad_factor_tokens(
 def _cat_checked(
     name: str, what: str, x1: torch.Tensor, x2: torch.Tensor, axis: int
 ) -> torch.Tensor:
-    """Concatenate along ``axis``; other axes must agree (``ValueError`` naming the layer)."""
+    """Concatenate along ``axis``; other axes must agree (:class:`GradientShapeError`)."""
     same_rest = x1.ndim == x2.ndim and all(
         x1.shape[d] == x2.shape[d] for d in range(x1.ndim) if d != axis
     )
     if not same_rest:
-        raise ValueError(
+        raise GradientShapeError(
             f"Gradient.concatenate: layer {name!r} {what} shapes {tuple(x1.shape)} and "
             f"{tuple(x2.shape)} differ outside axis {axis}; both blocks must come from the same "
             "layer configuration (token axes are padded only for sequence layers)."
@@ -488,8 +553,8 @@ class Gradient:
             )
         if representation not in _REPRESENTATIONS:
             raise ValueError(
-                f"Gradient: layer {name!r} has representation {representation!r}; expected one "
-                f"of {_REPRESENTATIONS}."
+                f"Gradient: layer {name!r} has representation {representation!r}; it must be "
+                f"one of {_REPRESENTATIONS}."
             )
         layer_type = self.layer_types.get(name)
         if layer_type is None:
@@ -499,8 +564,8 @@ class Gradient:
             )
         if self.indexing[name] not in _INDEXINGS:
             raise ValueError(
-                f"Gradient: layer {name!r} has indexing {self.indexing[name]!r}; expected one of "
-                f"{_INDEXINGS}."
+                f"Gradient: layer {name!r} has indexing {self.indexing[name]!r}; it must be one "
+                f"of {_INDEXINGS}."
             )
         if representation == "factorized":
             self._validate_factorized(name, layer_type, value)
@@ -518,8 +583,8 @@ class Gradient:
         if layer_type not in ALL_LAYER_TYPES:
             raise ValueError(
                 f"Gradient: factorized layer {name!r} has layer type {layer_type!r}, which no "
-                f"kernel knows; use one of {sorted(ALL_LAYER_TYPES)} (a materialized payload "
-                "may carry any label)."
+                f"kernel knows; it must be one of {sorted(ALL_LAYER_TYPES)} (a materialized "
+                "payload may carry any label)."
             )
         for label, factor in (
             ("activation", value.activation),
@@ -876,8 +941,7 @@ class Gradient:
                 token rules violated; a layer broadcast on one side only.
             TypeError: payload kinds differ.
         """
-        if dim not in ("batch", "token"):
-            raise ValueError(f"Gradient.concatenate: dim must be 'batch' or 'token', got {dim!r}.")
+        _check_choice("concatenate", "dim", dim, _DIMS)
         self._check_same_structure(other)
         if dim == "token":
             return self._concatenate_tokens(other)
@@ -966,9 +1030,10 @@ class Gradient:
     def _sum_param_grads(name: str, g1: torch.Tensor, g2: torch.Tensor) -> torch.Tensor:
         """Sum of two batch-level parameter gradients of one parameter."""
         if g1.shape != g2.shape:
-            raise ValueError(
+            raise GradientShapeError(
                 f"Gradient.concatenate: param_grad layer {name!r} shapes differ: "
-                f"{tuple(g1.shape)} vs {tuple(g2.shape)}."
+                f"{tuple(g1.shape)} vs {tuple(g2.shape)}; both blocks must hold the same "
+                "parameter."
             )
         return g1 + g2
 
@@ -996,10 +1061,11 @@ class Gradient:
             v1, v2 = materialize(v1, layer_type), materialize(v2, layer_type)
         elif self.indexing[name] == "batch_token":
             v1, v2 = _pad_dense_tokens(v1, v2)
-        if v1.shape != v2.shape:
-            raise ValueError(
+        if v1.shape != v2.shape:  # a width-1 row is refused too, never broadcast
+            raise GradientShapeError(
                 f"Gradient.concatenate: broadcast layer {name!r} rows differ in shape: "
-                f"{tuple(v1.shape)} vs {tuple(v2.shape)}."
+                f"{tuple(v1.shape)} vs {tuple(v2.shape)}; both blocks must come from the same "
+                "layer configuration."
             )
         return _weighted_mean(v1, v2, batch1, batch2)
 
@@ -1016,7 +1082,7 @@ class Gradient:
         """
         if dim != "token":
             raise NotImplementedError(
-                f"Gradient.aggregate: only dim='token' is supported (the chain rule sums over "
+                f"Gradient.aggregate: dim must be one of ('token',) (the chain rule sums over "
                 f"tokens), got {dim!r}."
             )
         representation = dict((n, self.representation[n]) for n in self.data)
@@ -1039,45 +1105,53 @@ class Gradient:
     ) -> Gradient:
         """Index the batch or token axis of every layer.
 
-        An ``int`` keeps the axis (length 1). Broadcast layers return their single
-        row for any batch index; ``param_grad`` layers pass through.
+        Per-sample layers use ordinary torch indexing; an ``int`` keeps the axis
+        (length 1). ``dim="batch"``: index values are checked against the block's
+        batch size first; a layer of batch 1 (broadcast) keeps its row for an
+        ``int`` and repeats it once per selected entry otherwise (``n`` identical
+        rows, no longer broadcast; an empty selection gives 0 rows). ``param_grad``
+        layers pass through. Factorized layers slice both factors (batch axis 1
+        for sequence-first captures).
 
         Raises:
-            ValueError: invalid ``dim``; ``dim="token"`` with a layer that is not
-                ``"batch_token"`` or whose factors have no shared token axis.
+            ValueError: ``dim`` not one of ``("batch", "token")``; ``dim="token"``
+                with a layer that is not ``"batch_token"`` or whose factors have no
+                shared token axis.
+            IndexError: a batch index outside ``[-B, B)`` for the block batch ``B``,
+                or a boolean mask whose length is not ``B``.
+            TypeError: a ``bool`` index.
         """
-        if dim not in ("batch", "token"):
-            raise ValueError(f"Gradient.slice: dim must be 'batch' or 'token', got {dim!r}.")
+        _check_choice("slice", "dim", dim, _DIMS)
         if dim == "token":
-            not_token = [
-                n
-                for n in self.data
-                if self.indexing[n] != "batch_token" and not self._is_param_grad(n)
-            ]
-            if not_token:
-                raise ValueError(
-                    f"Gradient.slice(dim='token'): layers {not_token} are not 'batch_token'; "
-                    "drop them with select_layers first."
-                )
+            self._require_all_batch_token()
         axis_index = _as_axis_index(index)
         block_batch = self._block_batch()
+        repeats = None
+        if dim == "batch" and block_batch is not None:
+            repeats = _selected_count(index, axis_index, block_batch)
         data: dict[str, GradientData] = {}
         for name, value in self.data.items():
-            if self._is_param_grad(name) or (
-                dim == "batch" and self._is_broadcast(name, block_batch)
-            ):
+            if self._is_param_grad(name):
                 data[name] = value
+            elif dim == "batch":
+                data[name] = _slice_batch(value, axis_index, repeats, isinstance(index, int))
             elif isinstance(value, Factorized):
-                if dim == "token":
-                    self._require_token_axis(name, value, "slice(dim='token')")
-                axis = value.batch_axis if dim == "batch" else value.token_axis
-                data[name] = value._with_factors(
-                    _index_axis(value.activation, axis, axis_index),
-                    _index_axis(value.pre_activation_grad, axis, axis_index),
-                )
+                self._require_token_axis(name, value, "slice(dim='token')")
+                data[name] = _index_factors(value, value.token_axis, axis_index)
             else:
-                data[name] = _index_axis(value, 0 if dim == "batch" else 1, axis_index)
+                data[name] = _index_axis(value, 1, axis_index)
         return self._derive(data)
+
+    def _require_all_batch_token(self) -> None:
+        """``ValueError`` naming the non-``param_grad`` layers that are not ``"batch_token"``."""
+        not_token = [
+            n for n in self.data if self.indexing[n] != "batch_token" and not self._is_param_grad(n)
+        ]
+        if not_token:
+            raise ValueError(
+                f"Gradient.slice(dim='token'): layers {not_token} are not 'batch_token'; "
+                "drop them with select_layers first."
+            )
 
     # --------------------------------------------------------------- similarity
 
@@ -1114,7 +1188,9 @@ class Gradient:
         ``reduce="all"``. All routing modes are exact.
 
         Returns:
-            ``{layer: (B_self, B_other)}``, or for ``reduce="all"`` the layer-summed
+            ``{layer: (b_self, b_other)}`` in ``self``'s layer order, each side at the
+            layer's own batch size (a broadcast layer counts 1: ``(1, B_other)``,
+            ``(B_self, 1)`` or ``(1, 1)``); or for ``reduce="all"`` the layer-summed
             ``(B_self, B_other)`` tensor (broadcast layers expanded).
 
         Raises:
@@ -1134,13 +1210,13 @@ class Gradient:
             return {}
         grams = layerwise_cross_dot(self, other, layers=shared, mode=mode, reduce="none")
         grams = {name: grams[name] for name in shared}
-        shape = _broadcast_shape(list(grams.values()))
         if metric == "cosine":
             norms1, norms2 = self._norms_sq(shared, mode), other._norms_sq(shared, mode)
         if reduce == "none":
             if metric == "cosine":
                 grams = {n: k / _norm_outer(norms1[n], norms2[n], eps) for n, k in grams.items()}
-            return {n: k.expand(shape) for n, k in grams.items()}
+            return grams
+        shape = (self._block_batch() or 1, other._block_batch() or 1)
         total = sum(k.expand(shape) for k in grams.values())
         if metric == "cosine":
             total = total / _norm_outer(

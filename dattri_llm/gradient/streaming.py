@@ -25,11 +25,15 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dattri_llm.gradient._training import (
+    StashedGradient,
     build_optimizer,
     check_loss,
+    clear_probe_gradients,
     decay_parameter_groups,
+    restore_gradients,
     rng_state,
     set_rng_state,
+    stash_gradients,
 )
 from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
 from dattri_llm.gradient.datasets import DiskGradientSource, check_dataset, rebatch_blocks
@@ -446,30 +450,30 @@ class GradientStreamer:
     # ----------------------------------------------------------------- passes
 
     def _probe_pass(self) -> Iterator[StreamBatch]:
+        """One frozen pass; RNG, module modes and gradients are handed back however it ends.
+
+        Gradients already on the parameters (a trajectory's, between its
+        backward and its deferred update) are stashed by `stash_gradients`:
+        those living in a wrapper's buffer (DDP bucket views, FSDP flat
+        gradients), which the probe's own backward rewrites, get their values
+        written back in place; the others are set aside and re-attached.
+        """
         params = list(self._model.parameters())
-        saved_grads = [p.grad for p in params]
-        saved_modes = {m: m.training for m in self._model.modules()}
-        saved_rng = rng_state()
-        try:
-            for p in params:
-                p.grad = None
+        with ExitStack() as restore:  # every restore runs even if an earlier one raises
+            restore.callback(set_rng_state, rng_state())
+            restore.callback(_restore_modes, {m: m.training for m in self._model.modules()})
+            stash = stash_gradients(params)
+            restore.callback(restore_gradients, stash)
             self._model.eval()
             for index, batch in enumerate(self._make_loader(shuffle=False)):
                 # Yield without binding the block here: a local would keep the previous
                 # batch's captures alive through the next batch's forward and backward.
-                yield self._probe_batch(index, batch, params)
-        finally:
-            for p, grad in zip(params, saved_grads):
-                p.grad = grad
-            for module, training in saved_modes.items():
-                module.train(training)
-            set_rng_state(saved_rng)
+                yield self._probe_batch(index, batch, stash)
 
-    def _probe_batch(self, index: int, batch: object, params: list[nn.Parameter]) -> StreamBatch:
-        """Run one probe batch and clear the parameter gradients it left behind."""
+    def _probe_batch(self, index: int, batch: object, stash: list[StashedGradient]) -> StreamBatch:
+        """Run one probe batch and empty the parameter gradients it left behind."""
         block, ids = self._run_batch(index, batch, loss_divisor=1)
-        for p in params:
-            p.grad = None
+        clear_probe_gradients(stash)
         return self._checkpoint_step, block, ids
 
     def _trajectory_pass(self) -> Iterator[StreamBatch]:
@@ -561,6 +565,12 @@ class GradientStreamer:
             return
         trainable = [p for p in self._model.parameters() if p.requires_grad]
         nn.utils.clip_grad_norm_(trainable, max_norm)
+
+
+def _restore_modes(modes: dict[nn.Module, bool]) -> None:
+    """Put each module back in the train/eval mode recorded in ``modes``."""
+    for module, training in modes.items():
+        module.train(training)
 
 
 def _find_capture_callback(manager: HookManager) -> CaptureCallback | None:

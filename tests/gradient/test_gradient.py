@@ -616,9 +616,12 @@ def test_slice_batch_matches_indexed_materialization(index):
     dense = sliced.materialize()
     for name, ref in refs.items():
         torch.testing.assert_close(dense.data[name], ref[rows], **TOL[torch.float32])
-    assert sliced.data["pos"] is pos and sliced.data["w"] is wpar
+    assert sliced.data["w"] is wpar
     if isinstance(index, int):
+        assert sliced.data["pos"] is pos
         assert sliced.batch_size == 1 and sliced.data["lin"].activation.ndim == 3
+    else:  # compat.md §6: the broadcast row is repeated once per selected index
+        torch.testing.assert_close(sliced.data["pos"], torch.cat([pos] * len(ref[rows])))
 
 
 def test_slice_token_partitions_sum_to_whole():
@@ -714,10 +717,9 @@ def test_similarity_mixed_dense_broadcast_and_param_grad_layers():
     expected = sum(rt[n] @ rs[n].T for n in rt) + pos_t @ pos_s.T
     torch.testing.assert_close(total, expected, **TOL[torch.float32])
     per_layer = train.similarity(test, metric="cosine")
-    assert per_layer["pos"].shape == (3, 2)
+    assert per_layer["pos"].shape == (1, 1)  # compat.md §6: broadcast on both sides, no expansion
     torch.testing.assert_close(
-        per_layer["pos"],
-        _cosine(pos_t @ pos_s.T, pos_t.norm(dim=1), pos_s.norm(dim=1)).expand(3, 2),
+        per_layer["pos"], _cosine(pos_t @ pos_s.T, pos_t.norm(dim=1), pos_s.norm(dim=1))
     )
 
 

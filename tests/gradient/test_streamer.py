@@ -155,6 +155,72 @@ def test_probe_restores_state_when_the_pass_is_abandoned(tmp_path):
     assert all(p.grad is None for p in net.parameters())
 
 
+def attach_low_precision_views(net: nn.Module) -> torch.Tensor:
+    """Give ``net``'s fp32 parameters bf16 ``.grad`` views of one flat buffer, as FSDP does.
+
+    FSDP ``keep_low_precision_grads`` sets them through ``.data`` of a placeholder
+    (a plain ``.grad =`` refuses the dtype). Returns the buffer.
+    """
+    params = list(net.parameters())
+    buffer = torch.randn(sum(p.numel() for p in params) + 3, dtype=torch.bfloat16)
+    offset = 0
+    for p in params:
+        p.grad = torch.empty_like(p)
+        p.grad.data = buffer[offset : offset + p.numel()].view(p.shape)
+        offset += p.numel()
+    return buffer
+
+
+class QueryLossError(Exception):
+    pass
+
+
+def test_probe_hands_back_low_precision_gradients_when_the_query_loss_raises(tmp_path):
+    net, data = make_net(), make_data()
+    net.train()
+    buffer = attach_low_precision_views(net)
+    expected = buffer.clone()
+    pointers = [p.grad.data_ptr() for p in net.parameters()]
+
+    def failing_loss(model, batch):
+        raise QueryLossError("query loss failed")
+
+    streamer = GradientStreamer(net, data, make_args(tmp_path), batch_size=3, loss_fn=failing_loss)
+    with streamer, pytest.raises(QueryLossError, match="query loss failed"):
+        list(streamer)
+    assert net.training
+    assert torch.equal(buffer, expected)
+    for p, pointer in zip(net.parameters(), pointers):
+        assert p.grad.dtype == torch.bfloat16 and p.grad.shape == p.shape
+        assert p.grad.data_ptr() == pointer  # still a view of the wrapper's buffer
+
+
+def test_gradient_stash_restores_storage_dtype_and_values():
+    from dattri_llm.gradient._training import restore_gradients, stash_gradients
+
+    viewed, standalone = make_net(), make_net()
+    buffer = attach_low_precision_views(viewed)
+    expected = buffer.clone()
+    pointers = [p.grad.data_ptr() for p in viewed.parameters()]
+    own = [torch.randn_like(p) for p in standalone.parameters()]
+    for p, g in zip(standalone.parameters(), own):
+        p.grad = g
+    params = [*viewed.parameters(), *standalone.parameters()]
+    stash = stash_gradients(params)
+    # The views stay attached, zeroed in place; the standalone gradients are taken off.
+    assert all(p.grad is not None and not p.grad.any() for p in viewed.parameters())
+    assert torch.equal(buffer[-3:], expected[-3:])  # bytes outside every view untouched
+    assert all(p.grad is None for p in standalone.parameters())
+    buffer.fill_(7.0)  # the probe's backward rewrites the wrapper's buffer ...
+    next(viewed.parameters()).grad = None  # ... and one gradient is dropped altogether
+    restore_gradients(stash)
+    assert torch.equal(buffer[:-3], expected[:-3])
+    for p, pointer in zip(viewed.parameters(), pointers):
+        assert p.grad.dtype == torch.bfloat16 and p.grad.shape == p.shape
+        assert p.grad.data_ptr() == pointer
+    assert all(p.grad is g for p, g in zip(standalone.parameters(), own))
+
+
 # -------------------------------------------------------------------- trajectory
 
 

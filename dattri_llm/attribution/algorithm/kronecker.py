@@ -50,6 +50,7 @@ from dattri_llm.gradient.gradient import Factorized
 from dattri_llm.gradient.ops.kronecker import (
     FisherAccumulator,
     KroneckerAccumulator,
+    check_damped_curvature,
     damping_for,
     dense_inverse,
     ekfac_materialize,
@@ -489,12 +490,12 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         factors = self.damp(raw_factors, damping)
         fisher = {}
         for name, matrix in raw_fisher.items():
+            shift = damping_for(matrix, damping, self.relative_damping)
             try:
-                fisher[name] = dense_inverse(
-                    matrix, damping_for(matrix, damping, self.relative_damping)
-                )
+                check_damped_curvature(matrix, shift, "dense_inverse")
             except ValueError as error:
                 raise _layer_error(name, error) from None
+            fisher[name] = dense_inverse(matrix, shift)
         self._factors = self._hold(factors)
         self._fisher_inverse = self._hold(fisher)
 
@@ -1097,13 +1098,13 @@ class KFACAttributor(KroneckerAttributor):
         """``{layer: ((A+λ_A I)⁻¹, (G+λ_G I)⁻¹)}`` via ``sym_inverse``."""
         damped = {}
         for name, (a_cov, g_cov) in raw_factors.items():
-            try:
-                damped[name] = (
-                    sym_inverse(a_cov, damping_for(a_cov, damping, self.relative_damping)),
-                    sym_inverse(g_cov, damping_for(g_cov, damping, self.relative_damping)),
-                )
+            shifts = [damping_for(m, damping, self.relative_damping) for m in (a_cov, g_cov)]
+            try:  # the inverse ops return inf/nan on singular input: refuse it first
+                for matrix, shift in zip((a_cov, g_cov), shifts):
+                    check_damped_curvature(matrix, shift, "sym_inverse")
             except ValueError as error:
                 raise _layer_error(name, error) from None
+            damped[name] = (sym_inverse(a_cov, shifts[0]), sym_inverse(g_cov, shifts[1]))
         return damped
 
     def precondition_test_layer(self, value: Any, layer_type: str, factors: Any) -> Any:

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from dattri_llm.gradient.hooks.hooks import (
+    _is_linear_io_capable,
+    check_capture_style,
     is_invasive_capable,
-    is_linear_io_capable,
     owns_trainable_params,
     unwrap_model,
 )
@@ -92,7 +93,7 @@ def _check_hook_types(hook_types: object) -> dict[str, str]:
         if family not in HOOK_FAMILIES:
             raise ValueError(
                 f"hook_types[{name!r}] = {family!r} is not a hook family; "
-                f"valid families are {list(HOOK_FAMILIES)}."
+                f"it must be one of {list(HOOK_FAMILIES)}."
             )
     return result
 
@@ -130,7 +131,7 @@ def _check_layer_types(layer_types: object) -> dict[str, str]:
         if layer_type not in ALL_LAYER_TYPES:
             raise ValueError(
                 f"layer_types[{name!r}] = {layer_type!r} is not a known layer type; "
-                f"valid types are {sorted(ALL_LAYER_TYPES)}."
+                f"it must be one of {sorted(ALL_LAYER_TYPES)}."
             )
     return result
 
@@ -163,7 +164,7 @@ def _check_projection_kwargs(projection_kwargs: object) -> dict[str, dict] | Non
         if style not in PROJECTION_STYLES:
             raise ValueError(
                 f"projection_kwargs[{name!r}] has style {style!r}; "
-                f"valid styles are {list(PROJECTION_STYLES)}."
+                f"it must be one of {list(PROJECTION_STYLES)}."
             )
         if "seq_len" in proj:
             raise ValueError(
@@ -173,20 +174,10 @@ def _check_projection_kwargs(projection_kwargs: object) -> dict[str, dict] | Non
         if style == "mask" and not set(proj) <= MASK_KEYS:
             raise ValueError(
                 f"projection_kwargs[{name!r}] uses style 'mask' with unsupported keys "
-                f"{sorted(set(proj) - MASK_KEYS)}; allowed keys are {sorted(MASK_KEYS)}."
+                f"{sorted(set(proj) - MASK_KEYS)}; each key must be one of {sorted(MASK_KEYS)}."
             )
         result[name] = dict(proj)
     return result
-
-
-def _check_capture_style(capture_style: object) -> str:
-    from dattri_llm.gradient.ops.projection import CAPTURE_STYLES
-
-    if capture_style not in CAPTURE_STYLES:
-        raise ValueError(
-            f"capture_style={capture_style!r} is invalid; valid styles are {list(CAPTURE_STYLES)}."
-        )
-    return str(capture_style)
 
 
 # --------------------------------------------------------------------------- config
@@ -231,7 +222,7 @@ class HookManagerConfig:
                 f"got {type(projector).__name__}."
             )
         self.projector = projector
-        self.capture_style = _check_capture_style(capture_style)
+        self.capture_style = check_capture_style(capture_style, "HookManagerConfig")
         self.include_frozen = bool(include_frozen)
 
     @property
@@ -253,16 +244,13 @@ class HookManagerConfig:
 
 def _default_family(module: nn.Module) -> str | None:
     """Family of ``module`` under the default config, ``None`` if nothing to hook."""
-    if is_linear_io_capable(module) and any(True for _ in module.parameters(recurse=False)):
-        return LINEAR_IO
-    if owns_trainable_params(module):
-        return PARAM_GRAD
-    return None
+    return next((family for family in (LINEAR_IO, PARAM_GRAD) if _capable(module, family)), None)
 
 
 def _capable(module: nn.Module, family: str) -> bool:
+    """Whether a ``family`` selector may add ``module`` (linear_io: a capable type with params)."""
     if family == LINEAR_IO:
-        return is_linear_io_capable(module) and any(True for _ in module.parameters(recurse=False))
+        return _is_linear_io_capable(module) and any(True for _ in module.parameters(recurse=False))
     if family == PARAM_GRAD:
         return owns_trainable_params(module)
     return is_invasive_capable(module)
@@ -287,7 +275,7 @@ def _validate_explicit(
         raise _unknown_layer_error(name, modules, "hook_types")
     module = modules[name]
     kind = type(module).__name__
-    if family == LINEAR_IO and not is_linear_io_capable(module):
+    if family == LINEAR_IO and not _is_linear_io_capable(module):
         if config.layer_types.get(name) not in ALL_LAYER_TYPES:
             raise ValueError(
                 f"hook_types[{name!r}] = 'linear_io' but {kind} is not a linear_io-capable "

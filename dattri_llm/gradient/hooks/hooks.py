@@ -6,6 +6,8 @@ when the backward reaches it. Each backward is thereby paired with exactly the
 forward that produced it (the LIFO-per-device pairing of the contract, made
 exact); forwards whose output never receives a gradient stay pending and are
 discarded by the owner (gradient checkpointing recomputes, detached branches).
+A further gradient for a forward already consumed (a repeated backward over a
+retained graph) is discarded with a ``UserWarning`` and reported to the owner.
 
 Buffers (plain dicts, see :data:`LayerBuffer` / :data:`ParamGradBuffer`):
 
@@ -41,6 +43,7 @@ from dattri_llm.gradient.ops.dot import effective_dims
 from dattri_llm.gradient.ops.materialize import materialize
 from dattri_llm.gradient.ops.preprocess import extract_module_kwargs
 from dattri_llm.gradient.ops.projection import (
+    CAPTURE_STYLES,
     DattriProjector,
     project_activation,
     project_gradient,
@@ -137,8 +140,13 @@ def _refuse_inexact_embedding_bag(name: str, module: nn.Module, args: tuple, kwa
         )
 
 
-def is_linear_io_capable(module: nn.Module) -> bool:
-    """Whether ``module`` is an instance of a linear_io-capable class (never decided by name)."""
+def _is_linear_io_capable(module: nn.Module) -> bool:
+    """Whether ``module``'s type is one whose gradient factorizes for ``linear_io`` capture.
+
+    Decided by ``isinstance`` against the capable classes (``capture.md`` §1, less
+    ``nn.Bilinear``, whose gradient needs both inputs), never by name. The one
+    test every hook-assignment path uses.
+    """
     if isinstance(module, _TORCH_CAPABLE):
         return True
     conv1d = _hf_conv1d()
@@ -320,8 +328,11 @@ class LayerCapture:
 
     ``gate()`` says whether captures are buffered now (per-layer callbacks
     fire regardless); ``on_forward(name)`` / ``on_backward(name)`` notify the
-    owner of buffered events; ``decisions`` (shared, reset by the owner per
-    step) fixes each layer's representation by its first capture.
+    owner of buffered events; ``on_orphan(name)`` of a discarded backward fire
+    whose forward is no longer pending (a repeated backward over a retained
+    graph: a ``UserWarning``, no buffering, no ``on_layer_backward``);
+    ``decisions`` (shared, reset by the owner per step) fixes each layer's
+    representation by its first capture.
     """
 
     def __init__(
@@ -340,6 +351,7 @@ class LayerCapture:
         gate: Callable[[], bool] = _always,
         on_forward: Callable[[str], None] | None = None,
         on_backward: Callable[[str], None] | None = None,
+        on_orphan: Callable[[str], None] | None = None,
         lock: threading.RLock | None = None,
         decisions: dict[str, bool] | None = None,
     ) -> None:
@@ -356,6 +368,7 @@ class LayerCapture:
         self.gate = gate
         self.on_forward = on_forward
         self.on_backward = on_backward
+        self.on_orphan = on_orphan
         self.lock = lock or threading.RLock()
         self.decisions = {} if decisions is None else decisions
         self.logra_at_forward = (
@@ -431,6 +444,10 @@ class LayerCapture:
         out.register_hook(lambda grad: self._grad_hook(entry, grad))
 
     def _grad_hook(self, entry: _Pending, grad: torch.Tensor) -> None:
+        buffered = entry.collecting and self.gate()
+        if buffered and not self._claim(entry):
+            self._discard_orphan()
+            return
         self._check_input_unchanged(entry)
         g = grad.detach()
         if self.logra_at_forward:
@@ -439,23 +456,39 @@ class LayerCapture:
         if self.on_layer_backward is not None:
             with _dispatching(entry):
                 self.on_layer_backward(self.name, g, self.emitted_type, self.emitted_kwargs)
-        if not entry.collecting or not self.gate():
+        if not buffered:
             return
+        with self.lock:
+            self.buffer["captures"].append(self._capture(entry, g))
+        if self.on_backward is not None:
+            self.on_backward(self.name)
+
+    def _claim(self, entry: _Pending) -> bool:
+        """Take ``entry`` off the pending forwards; ``False`` if it is not (or no longer) there."""
         with self.lock:
             pending = self.buffer["pending"]
             index = next((i for i, e in enumerate(pending) if e is entry), None)
             if index is None:
-                warnings.warn(
-                    f"Layer {self.name!r}: a backward arrived for a forward that is no longer "
-                    "pending (capture state was cleared in between); it is discarded.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-                return
+                return False
             pending.pop(index)
-            self.buffer["captures"].append(self._capture(entry, g))
-        if self.on_backward is not None:
-            self.on_backward(self.name)
+            return True
+
+    def _discard_orphan(self) -> None:
+        """Warn about a backward fire without an unconsumed forward and tell the owner.
+
+        Its ``grad_output`` is neither buffered nor given to ``on_layer_backward``.
+        """
+        warnings.warn(
+            f"Discarding a backward fire on layer {self.name!r}: there is no matching forward "
+            "capture (its forward was already consumed by an earlier backward, or the capture "
+            "state was cleared since). A typical cause is a repeated backward over a retained "
+            "graph (loss.backward(retain_graph=True) followed by another backward inside "
+            "collect()). This is not a normal forward+backward step: nothing is recorded for it.",
+            UserWarning,
+            stacklevel=2,
+        )
+        if self.on_orphan is not None:
+            self.on_orphan(self.name)
 
     def _check_input_unchanged(self, entry: _Pending) -> None:
         """``RuntimeError`` if an aliased input was edited in place since the forward."""
@@ -554,7 +587,7 @@ def _linear_io_layers(
 ) -> dict[str, nn.Module]:
     modules = dict(root.named_modules())
     if layer_names is None:
-        names = [n for n, m in modules.items() if is_linear_io_capable(m) or n in type_overrides]
+        names = [n for n, m in modules.items() if _is_linear_io_capable(m) or n in type_overrides]
     else:
         names = list(layer_names)
     selected: dict[str, nn.Module] = {}
@@ -562,7 +595,7 @@ def _linear_io_layers(
         if name not in modules:
             raise ValueError(f"Layer {name!r} is not a module of the model (named_modules()).")
         module = modules[name]
-        if not is_linear_io_capable(module) and name not in type_overrides:
+        if not _is_linear_io_capable(module) and name not in type_overrides:
             raise ValueError(
                 f"Layer {name!r} ({type(module).__name__}) is not linear_io-capable; declare "
                 "its type with type_overrides={name: '<layer type>'}."
@@ -615,6 +648,16 @@ def register_linear_io_hooks(
     return {name: capture.buffer for name, capture in captures.items()}, handles
 
 
+def check_capture_style(capture_style: object, where: str) -> str:
+    """``capture_style`` as a str; ``ValueError`` unless it is one of ``CAPTURE_STYLES``."""
+    if capture_style not in CAPTURE_STYLES:
+        raise ValueError(
+            f"{where}: capture_style {capture_style!r} is invalid; it must be one of "
+            f"{list(CAPTURE_STYLES)}."
+        )
+    return str(capture_style)
+
+
 def layer_projection(projection_kwargs: dict[str, dict] | None, name: str) -> dict | None:
     """Projection settings of ``name``: its own entry, else ``"__default__"``, else ``None``."""
     if not projection_kwargs:
@@ -638,6 +681,7 @@ def attach_linear_io(
     **capture_kwargs: Any,
 ) -> tuple[dict[str, LayerCapture], list]:
     """Build a :class:`LayerCapture` per selected layer and register its forward hook."""
+    check_capture_style(capture_style, "linear_io hooks")
     root = unwrap_model(model)
     projector = DattriProjector.coerce(projector)
     captures: dict[str, LayerCapture] = {}
@@ -778,7 +822,7 @@ def register_linear_param_hooks(
     root = unwrap_model(model)
     modules = dict(root.named_modules())
     names = (
-        [n for n, m in modules.items() if is_linear_io_capable(m)]
+        [n for n, m in modules.items() if _is_linear_io_capable(m)]
         if layer_names is None
         else list(layer_names)
     )

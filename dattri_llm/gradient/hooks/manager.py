@@ -10,6 +10,9 @@ gradient never stall it, and forwards left without a backward (gradient
 checkpointing duplicates, detached branches) are discarded. The record is
 assembled, the step counter advances, the per-step state resets and
 ``on_step_end(record)`` is dispatched to every callback outside the lock.
+A backward that only reaches forwards an earlier backward already consumed (a
+repeated ``backward()`` over a retained graph) warns per layer fire and is
+dropped whole: no step, no record, no callbacks, its ``param_grad`` sums cleared.
 
 Tied or reused modules are scored per use site: a module invoked k times in a
 step yields virtual layers ``name``, ``name@2``, …, ``name@k`` (forward order);
@@ -74,9 +77,16 @@ class _StepState:
     sample_ids: Any = _MISSING
     forward_layers: set[str] = field(default_factory=set)
     end_queued: bool = False
+    orphan_layers: set[str] = field(default_factory=set)
 
     def copy(self) -> _StepState:
-        return _StepState(self.inputs, self.sample_ids, set(self.forward_layers), self.end_queued)
+        return _StepState(
+            self.inputs,
+            self.sample_ids,
+            set(self.forward_layers),
+            self.end_queued,
+            set(self.orphan_layers),
+        )
 
 
 def _device_order(device: torch.device) -> tuple[str, int]:
@@ -266,6 +276,7 @@ class HookManager:
             gate=self._is_collecting,
             on_forward=self._note_forward,
             on_backward=self._note_layer_backward,
+            on_orphan=self._note_orphan,
             lock=self._lock,
             decisions=self._decisions,
         )
@@ -506,11 +517,13 @@ class HookManager:
         for capture in self._captures.values():
             capture.buffer["pending"] = []
             capture.buffer["captures"] = []
-        if self._params is not None:
-            for grads in self._params.buffers.values():
-                for pname in grads:
-                    grads[pname] = None
+        self._clear_param_grads()
         self._decisions.clear()
+
+    def _clear_param_grads(self) -> None:
+        for grads in ({} if self._params is None else self._params.buffers).values():
+            for pname in grads:
+                grads[pname] = None
 
     # ------------------------------------------------------------------ hook plumbing
 
@@ -537,6 +550,12 @@ class HookManager:
             self._state.forward_layers.add(name)
 
     def _note_layer_backward(self, name: str) -> None:
+        self._note_backward()
+
+    def _note_orphan(self, name: str) -> None:
+        """A backward fire of ``name`` found no pending forward (already warned about)."""
+        with self._lock:
+            self._state.orphan_layers.add(name)
         self._note_backward()
 
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -610,6 +629,9 @@ class HookManager:
 
     def _on_backward_end(self) -> None:
         with self._lock:
+            if self._is_orphan_pass():
+                self._discard_orphan_pass()
+                return
             try:
                 record = self._assemble_record()
             finally:
@@ -619,6 +641,22 @@ class HookManager:
         with torch.no_grad():
             for callback in list(self.callbacks):
                 callback.on_step_end(record)
+
+    def _is_orphan_pass(self) -> bool:
+        """Whether this backward only re-ran consumed forwards (no layer capture was buffered)."""
+        return bool(self._state.orphan_layers) and not any(
+            capture.buffer["captures"] for capture in self._captures.values()
+        )
+
+    def _discard_orphan_pass(self) -> None:
+        """Drop a repeated backward over a retained graph: no step, no record, no callbacks.
+
+        Its ``param_grad`` sums are cleared; forwards still pending (a step in
+        progress), captured inputs and the last gradient are kept.
+        """
+        self._clear_param_grads()
+        self._state.orphan_layers.clear()
+        self._state.end_queued = False
 
     def _synchronized_param_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A batch-level gradient as DDP applies it: averaged over ranks when DDP syncs.

@@ -14,8 +14,13 @@ patches of every group and ``G`` is block-diagonal over groups: K-FAC of a
 grouped conv is the shared-``A`` / block-diagonal-``G`` approximation.
 
 Rows whose ``g'`` is exactly zero (padding tokens) are dropped for the linear
-family; conv and conv-transpose keep every patch row. Covariances,
-eigendecompositions and inverses run in at least float32.
+family; conv and conv-transpose keep every patch row. Covariances and
+eigendecompositions run in at least float32; ``sym_inverse`` / ``dense_inverse``
+return float32 and, as in the reference design, never refuse a singular matrix
+(``check_damped_curvature`` is the check for callers that must).
+
+The accumulators take a canonical layer type or its short alias (``"linear"``,
+``"conv2d"``; ``types.LAYER_TYPE_ALIASES``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from dattri_llm.gradient.ops.types import (
     is_embedding,
     is_kfac_eligible,
     is_norm,
+    resolve_layer_type,
 )
 from dattri_llm.utils.distributed import all_reduce_sum
 
@@ -63,7 +69,10 @@ def _check_kfac_type(layer_type: str, fn: str) -> None:
         )
     check_layer_type(layer_type)
     if not is_kfac_eligible(layer_type):
-        raise ValueError(f"{fn}: layer type {layer_type!r} is not K-FAC eligible.")
+        raise ValueError(
+            f"{fn}: layer type must be one of the K-FAC eligible types (linear, conv, "
+            f"conv-transpose), got {layer_type!r}."
+        )
 
 
 def _keeps_zero_rows(layer_type: str) -> bool:
@@ -178,55 +187,70 @@ def damping_for(matrix: Tensor, damping: float, relative: bool = False) -> float
 
 
 def _check_square(matrix: Tensor, fn: str) -> None:
+    """``ValueError`` unless ``matrix`` is a square 2-D matrix."""
     if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
         raise ValueError(f"{fn}: expected a square (d, d) matrix, got {tuple(matrix.shape)}.")
 
 
-def _singular_error(fn: str, size: int, smallest: float, damping: float) -> ValueError:
-    return ValueError(
-        f"{fn}: the ({size}, {size}) curvature matrix is singular or not positive definite "
-        f"(smallest damped eigenvalue {smallest:.3e} with damping={damping}); use damping > 0 "
-        "(or relative_damping=True) or fit on more data."
-    )
+def check_damped_curvature(matrix: Tensor, damping: float, fn: str) -> None:
+    """``ValueError`` unless ``matrix + damping·I`` is symmetric positive definite.
 
-
-def _damped_spectrum(matrix: Tensor, damping: float, fn: str) -> tuple[Tensor, Tensor]:
-    """``(s + damping, U)`` of the symmetrised matrix; ``ValueError`` if not positive definite."""
+    For callers of :func:`sym_inverse` / :func:`dense_inverse`, which never raise
+    on a singular matrix. Fails on a non-finite damped eigenvalue of the
+    symmetrised matrix, on one ≤ 0, or (``damping=0``) on one ≤ ``size·eps·max|s|``
+    (round-off level counts as zero).
+    """
     _check_square(matrix, fn)
     m = matrix.to(_floor_dtype(matrix))
-    s, u = torch.linalg.eigh((m + m.T) / 2)
+    damped = torch.linalg.eigvalsh((m + m.T) / 2) + damping
     size = m.shape[0]
+    if not size:
+        return
     tol = 0.0
-    if damping == 0 and size:  # undamped: eigenvalues at round-off level count as zero
-        tol = size * torch.finfo(s.dtype).eps * float(s.abs().max())
-    s = s + damping
-    if not bool(torch.isfinite(s).all()) or (size and float(s.min()) <= tol):
-        raise _singular_error(fn, size, float(s.min()) if size else 0.0, damping)
-    return s, u
+    if damping == 0:
+        tol = size * torch.finfo(damped.dtype).eps * float(damped.abs().max())
+    smallest = float(damped.min())
+    if not bool(torch.isfinite(damped).all()) or smallest <= tol:
+        raise ValueError(
+            f"{fn}: the ({size}, {size}) curvature matrix is singular or not positive definite "
+            f"(smallest damped eigenvalue {smallest:.3e} with damping={damping}); use "
+            "damping > 0 (or relative_damping=True) or fit on more data."
+        )
 
 
 def sym_inverse(matrix: Tensor, damping: float = 0.0) -> Tensor:
-    """``(M + damping·I)⁻¹`` of a symmetric matrix via ``eigh`` (at least float32).
+    """``(M + damping·I)⁻¹`` as ``(V / (λ + damping)) @ Vᵀ`` from ``eigh(M.float())``, float32.
 
-    Raises ``ValueError`` when the damped matrix is singular or indefinite: a
-    non-finite eigenvalue, a damped eigenvalue ≤ 0, or (``damping=0``) an
-    eigenvalue ≤ ``size·eps·max|s|``.
+    ``eigh`` reads the lower triangle only. No clamping and no error: a zero
+    damped eigenvalue gives ``±inf``/``nan`` entries; negative damping is
+    accepted. Check with :func:`check_damped_curvature` first where a singular
+    matrix is an error.
+
+    Raises:
+        ValueError: ``matrix`` is not a square 2-D matrix.
     """
-    s, u = _damped_spectrum(matrix, damping, "sym_inverse")
-    return (u / s) @ u.T
+    _check_square(matrix, "sym_inverse")
+    eigenvalues, eigenvectors = torch.linalg.eigh(matrix.float())
+    return (eigenvectors / (eigenvalues + damping)) @ eigenvectors.T
 
 
 def dense_inverse(matrix: Tensor, damping: float = 0.0) -> Tensor:
-    """``(M + damping·I)⁻¹`` via Cholesky, falling back to :func:`sym_inverse` if it fails."""
+    """``(M + damping·I)⁻¹`` as ``cholesky_inverse(cholesky(M.float() + damping·I))``, float32.
+
+    Any ``RuntimeError`` of the Cholesky path (``torch.linalg.LinAlgError`` for a
+    matrix that is not positive definite included) falls back to
+    :func:`sym_inverse`, so a singular matrix gives its non-finite result, no error.
+
+    Raises:
+        ValueError: ``matrix`` is not a square 2-D matrix.
+    """
     _check_square(matrix, "dense_inverse")
-    m = matrix.to(_floor_dtype(matrix))
-    m = (m + m.T) / 2 + damping * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
-    chol, info = torch.linalg.cholesky_ex(m)
-    if int(info) == 0:
-        inverse = torch.cholesky_inverse(chol)
-        if bool(torch.isfinite(inverse).all()):
-            return inverse
-    return sym_inverse(matrix, damping)
+    m = matrix.float()
+    m = m + damping * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
+    try:
+        return torch.cholesky_inverse(torch.linalg.cholesky(m))
+    except RuntimeError:
+        return sym_inverse(matrix, damping)
 
 
 # --------------------------------------------------------------------------- K-FAC
@@ -411,6 +435,23 @@ def ekfac_precondition(M: Tensor, U_A: Tensor, U_G: Tensor, lam: Tensor, layer_t
 # --------------------------------------------------------------------------- accumulators
 
 
+def _accumulator_layer_type(layer_type: str, module_kwargs: dict | None, fn: str) -> str:
+    """Canonical type of ``layer_type`` (short aliases accepted); ``module_kwargs`` checked.
+
+    Raises:
+        ValueError: unknown ``layer_type``.
+        KeyError: ``module_kwargs`` given without ``"has_bias"``.
+    """
+    layer_type = resolve_layer_type(layer_type, fn)
+    if module_kwargs is not None and "has_bias" not in module_kwargs:
+        raise KeyError(
+            f"{fn}({layer_type}): module_kwargs {sorted(module_kwargs)} has no 'has_bias' entry; "
+            "build it with ops.extract_module_kwargs(module, layer_type), or pass None for "
+            "final factors."
+        )
+    return layer_type
+
+
 def _reduce_sums(*tensors: Tensor) -> None:
     """Sum tensors across ranks in place (no-op single process)."""
     for t in tensors:
@@ -433,7 +474,19 @@ class LayerKroneckerAccumulator:
         module_kwargs: dict | None = None,
         include_bias: bool = True,
     ) -> None:
-        """Add one batch's kept token rows (rules of :func:`kfac_factors`; none kept → no-op)."""
+        """Add one batch's kept token rows (rules of :func:`kfac_factors`; none kept → no-op).
+
+        ``layer_type`` is a canonical type or its short alias (``"linear"``,
+        ``"conv2d"``; see ``types.LAYER_TYPE_ALIASES``).
+
+        Raises:
+            ValueError: unknown ``layer_type`` (the message lists the accepted names).
+            NotImplementedError: a norm or embedding type (no Kronecker factorization).
+            KeyError: ``module_kwargs`` without ``"has_bias"``.
+        """
+        layer_type = _accumulator_layer_type(
+            layer_type, module_kwargs, "LayerKroneckerAccumulator.update"
+        )
         a_rows, g_rows = kfac_rows(a, g, layer_type, module_kwargs, include_bias)
         if a_rows.shape[0] == 0:
             return
@@ -497,7 +550,24 @@ class LayerFisherAccumulator:
         module_kwargs: dict | None = None,
         include_bias: bool = True,
     ) -> None:
-        """Add the materialized per-sample gradients of one batch of factors."""
+        """Add the materialized per-sample gradients of one batch of factors.
+
+        ``layer_type`` is a canonical type or its short alias (``"linear"``,
+        ``"layernorm"``; see ``types.LAYER_TYPE_ALIASES``).
+
+        Raises:
+            ValueError: unknown ``layer_type`` (the message lists the accepted
+                names); an embedding without ``module_kwargs["num_embeddings"]``.
+            KeyError: ``module_kwargs`` without ``"has_bias"``.
+        """
+        fn = "LayerFisherAccumulator.update"
+        layer_type = _accumulator_layer_type(layer_type, module_kwargs, fn)
+        if is_embedding(layer_type) and "num_embeddings" not in (module_kwargs or {}):
+            raise ValueError(
+                f"{fn}({layer_type}): an embedding needs module_kwargs['num_embeddings'] (the "
+                "vocabulary size) to lay out its gradient; pass "
+                "ops.extract_module_kwargs(module, layer_type)."
+            )
         self.update_from_grad(materialize_factors(a, g, layer_type, module_kwargs, include_bias))
 
     def update_from_grad(self, grad: Tensor) -> None:
@@ -544,13 +614,18 @@ class KroneckerAccumulator:
     layers: dict[str, LayerKroneckerAccumulator] = field(default_factory=dict, init=False)
 
     def update(self, gradient: Gradient, layers: Iterable[str]) -> None:
-        """Accumulate the named layers of a block (absent layers skipped).
+        """Accumulate the named layers of a block (types as in ``LayerKroneckerAccumulator``).
 
-        Each named layer present must be factorized (``TypeError`` otherwise).
+        Raises:
+            KeyError: a named layer is not in the block.
+            TypeError: a named layer is materialized (K-FAC needs its factors).
         """
         for name in layers:
             if name not in gradient.data:
-                continue
+                raise KeyError(
+                    f"KroneckerAccumulator.update: layer {name!r} is not in the gradient block "
+                    f"(layers: {sorted(gradient.data)}); pass only layers the block holds."
+                )
             value = gradient.data[name]
             if isinstance(value, torch.Tensor):
                 raise TypeError(
@@ -598,12 +673,26 @@ class FisherAccumulator:
         return dict(self._skipped)
 
     def update(self, gradient: Gradient, layers: Iterable[str]) -> None:
-        """Accumulate the named layers of a block (dense as ``(B, P)``, factorized materialized)."""
+        """Accumulate the named layers of a block (dense as ``(B, P)``, factorized materialized).
+
+        Absent layers are skipped. A factorized layer's type may be a short alias
+        (``"linear"``); a dense layer's label is not used.
+
+        Raises:
+            ValueError: a factorized layer of unknown type (the message lists the
+                accepted names).
+            KeyError: a factorized layer whose ``module_kwargs`` lack ``"has_bias"``.
+        """
         for name in layers:
             if name not in gradient.data or name in self._skipped:
                 continue
             value = gradient.data[name]
-            width = _dense_width(value, gradient.layer_types[name])
+            layer_type = gradient.layer_types[name]
+            if not isinstance(value, torch.Tensor):
+                layer_type = _accumulator_layer_type(
+                    layer_type, value.module_kwargs, f"FisherAccumulator.update[{name!r}]"
+                )
+            width = _dense_width(value, layer_type)
             if self.max_params is not None and width > self.max_params:
                 self._skipped[name] = width
                 self.layers.pop(name, None)
@@ -611,7 +700,7 @@ class FisherAccumulator:
             if isinstance(value, torch.Tensor):
                 rows = value.sum(dim=1) if gradient.indexing.get(name) == "batch_token" else value
             else:
-                rows = materialize(value, gradient.layer_types[name])
+                rows = materialize(value, layer_type)
             self.layers.setdefault(name, LayerFisherAccumulator()).update_from_grad(rows)
 
     def all_reduce(self) -> None:

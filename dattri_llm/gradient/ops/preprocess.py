@@ -84,7 +84,7 @@ def check_layer_type(layer_type: str) -> None:
             "which have no per-sample factors to preprocess or materialize."
         )
     raise ValueError(
-        f"Unknown layer type {layer_type!r}; valid types are {sorted(ALL_LAYER_TYPES)}."
+        f"Unknown layer type {layer_type!r}; it must be one of {sorted(ALL_LAYER_TYPES)}."
     )
 
 

@@ -37,6 +37,40 @@ ALL_LAYER_TYPES: frozenset[str] = (
 PARAM_GRAD_TYPES: str = "param_grad_layers"
 
 
+def _short_alias(layer_type: str) -> str:
+    """Lower-case class name of a ``torch.nn`` type: ``"nn.Conv2d" -> "conv2d"``."""
+    return layer_type.removeprefix("nn.").lower()
+
+
+# Short lower-case aliases of the torch.nn types (``"linear"``, ``"conv2d"``,
+# ``"layernorm"``, ...), derived from the canonical names. Non-torch types (HF
+# ``Conv1D``) have none: ``"conv1d"`` names ``nn.Conv1d``.
+LAYER_TYPE_ALIASES: dict[str, str] = {
+    _short_alias(name): name for name in sorted(ALL_LAYER_TYPES) if name.startswith("nn.")
+}
+
+
+def resolve_layer_type(layer_type: str, where: str) -> str:
+    """Canonical layer type of ``layer_type``: a canonical name, or its short alias.
+
+    Args:
+        layer_type: canonical type (``"nn.Linear"``) or short alias (``"linear"``).
+        where: caller named in the error message (e.g. ``"LayerKroneckerAccumulator.update"``).
+
+    Raises:
+        ValueError: ``layer_type`` is neither; the message lists the accepted names.
+    """
+    if layer_type in ALL_LAYER_TYPES:
+        return layer_type
+    canonical = LAYER_TYPE_ALIASES.get(layer_type)
+    if canonical is not None:
+        return canonical
+    raise ValueError(
+        f"{where}: layer_type must be one of {sorted(ALL_LAYER_TYPES)} or their short aliases "
+        f"{sorted(LAYER_TYPE_ALIASES)}, got {layer_type!r}."
+    )
+
+
 def is_linear(layer_type: str) -> bool:
     """Whether ``layer_type`` is in :data:`LINEAR_TYPES` (incl. HF ``Conv1D``)."""
     return layer_type in LINEAR_TYPES

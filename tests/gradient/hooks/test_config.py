@@ -49,23 +49,35 @@ def test_config_stores_normalized_fields():
     ("kwargs", "error", "match"),
     [
         ({"hook_types": ["fc"]}, TypeError, "hook_types must be a dict"),
-        ({"hook_types": {"fc": "linear"}}, ValueError, "valid families"),
+        (
+            {"hook_types": {"fc": "linear"}},
+            ValueError,
+            r"'linear'.*must be one of \['linear_io', 'param_grad', 'invasive_linear_io'\]",
+        ),
         ({"linear_io": "fc"}, TypeError, "list of regex"),
         ({"param_grad": [1]}, TypeError, "patterns must be strings"),
         ({"linear_io": ["("]}, ValueError, "not a valid regex"),
         ({"layer_types": {"fc": 3}}, TypeError, "layer-type string"),
-        ({"layer_types": {"fc": "nn.Linaer"}}, ValueError, "valid types are"),
+        ({"layer_types": {"fc": "nn.Linaer"}}, ValueError, r"'nn.Linaer'.*must be one of \["),
         ({"module_kwargs": {"fc": {"bias": True}}}, TypeError, "has_bias"),
         ({"projection_kwargs": [1]}, TypeError, "projection_kwargs"),
         ({"projection_kwargs": {"fc": 1}}, TypeError, "projection settings"),
-        ({"projection_kwargs": {"fc": {"style": "svd"}}}, ValueError, "valid styles"),
+        (
+            {"projection_kwargs": {"fc": {"style": "svd"}}},
+            ValueError,
+            r"'svd'; it must be one of \['logra', 'dense', 'mask'\]",
+        ),
         ({"projection_kwargs": {"fc": {"proj_dim": 2, "seq_len": 3}}}, ValueError, "seq_len"),
         (
             {"projection_kwargs": {"fc": {"style": "mask", "proj_dim": 2, "proj_type": "x"}}},
             ValueError,
             "proj_type",
         ),
-        ({"capture_style": "dense"}, ValueError, "capture_style"),
+        (
+            {"capture_style": "dense"},
+            ValueError,
+            r"capture_style 'dense'.*must be one of \['factorized', 'materialized', 'auto'\]",
+        ),
         ({"projector": 3}, TypeError, "projector"),
     ],
 )
@@ -207,3 +219,16 @@ def test_hf_conv1d_resolved_lazily():
     )
     with pytest.raises(AttributeError):
         hooks_module.no_such_name  # noqa: B018
+
+
+def test_invalid_choices_say_must_be_one_of():
+    with pytest.raises(
+        ValueError, match=r"capture_style 'dense'.*must be one of \['factorized', 'materialized'"
+    ):
+        hooks_module.register_linear_io_hooks(Net(), capture_style="dense")
+    with pytest.raises(
+        ValueError, match=r"unsupported keys \['proj_type'\]; each key must be one of"
+    ):
+        HookManagerConfig(
+            projection_kwargs={"fc": {"style": "mask", "proj_dim": 2, "proj_type": 1}}
+        )

@@ -104,7 +104,7 @@ def test_kfac_cross_matches_dense_kronecker_operator(kind, dtype):
     A_ref, G_ref = covariances(*rows)
     damping = 0.05
     A, G = kfac_factors(x, r, layer_type, kw)
-    A_inv, G_inv = sym_inverse(A, damping), sym_inverse(G, damping)
+    A_inv, G_inv = damped_inverse(A, damping), damped_inverse(G, damping)
     x2, r2 = x.flip(0) * 0.5, r.flip(0).roll(1, 1)
     grads2 = expected_layout(layer_type, reference_grads(module, (x2,), r2))
     expected = grads @ kfac_operator(A_ref, G_ref, damping) @ grads2.T
@@ -150,7 +150,7 @@ def test_grouped_conv_kfac_shares_a_and_is_block_diagonal_in_g():
     assert torch.count_nonzero(G[:og, og:]) == 0 and torch.count_nonzero(G[:og, :og]) > 0
     # The operator acts exactly on the compact per-group layout of the reference gradients.
     grads = expected_layout("nn.Conv2d", reference_grads(module, (x,), r))
-    A_inv, G_inv = sym_inverse(A, 0.1), sym_inverse(G, 0.1)
+    A_inv, G_inv = damped_inverse(A, 0.1), damped_inverse(G, 0.1)
     expected = grads @ kfac_operator(A_ref, G_ref, 0.1) @ grads.T
     got = kfac_cross_factors(x, r, x, r, "nn.Conv2d", A_inv, G_inv, kw, kw)
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
@@ -164,7 +164,7 @@ def test_conv_transpose_kfac_uses_activation_and_gradient_indices():
     kw = extract_module_kwargs(module, "nn.ConvTranspose1d")
     grads = expected_layout("nn.ConvTranspose1d", reference_grads(module, (x,), r))
     A, G = kfac_factors(x, r, "nn.ConvTranspose1d", kw)
-    A_inv, G_inv = sym_inverse(A, 0.1), sym_inverse(G, 0.1)
+    A_inv, G_inv = damped_inverse(A, 0.1), damped_inverse(G, 0.1)
     op = torch.kron(A_inv, G_inv)  # layout (K_a, D_g) row-major
     expected = grads @ op @ grads.T
     got = kfac_cross_factors(x, r, x, r, "nn.ConvTranspose1d", A_inv, G_inv, kw, kw)
@@ -200,7 +200,7 @@ def test_ekfac_with_kfac_eigenvalues_equals_undamped_kfac():
     s_A, U_A, s_G, U_G = kfac_eigh(A, G)
     coords = ekfac_materialize(grads, layer_type, U_A, U_G)
     pre = ekfac_precondition(coords, U_A, U_G, torch.outer(s_G, s_A), layer_type)
-    expected = kfac_precondition_materialized(grads, sym_inverse(A), sym_inverse(G))
+    expected = kfac_precondition_materialized(grads, damped_inverse(A, 0.0), damped_inverse(G, 0.0))
     torch.testing.assert_close(pre, expected, rtol=1e-7, atol=1e-7)
 
 
@@ -214,10 +214,8 @@ def test_inverses_match_linalg_inv():
     torch.manual_seed(0)
     m = torch.randn(6, 4, dtype=torch.float64)
     spd = m @ m.T  # rank 4: singular
-    for fn in (sym_inverse, dense_inverse):
-        torch.testing.assert_close(fn(spd, 0.3), damped_inverse(spd, 0.3))
-        with pytest.raises(ValueError, match="singular"):
-            fn(spd, 0.0)
+    for fn in (sym_inverse, dense_inverse):  # float32 whatever the input (compat.md §4)
+        torch.testing.assert_close(fn(spd, 0.3), damped_inverse(spd, 0.3).float())
     assert sym_inverse(spd.float(), 0.3).dtype == torch.float32
     assert sym_inverse(spd.bfloat16(), 0.3).dtype == torch.float32
     with pytest.raises(ValueError, match=r"square"):
@@ -288,7 +286,9 @@ def test_fisher_accumulators():
     assert fisher.skipped == {"fc": 20}
     torch.testing.assert_close(fisher.result()["dense"], grads[:, :7].T @ grads[:, :7] / 3)
     kron = KroneckerAccumulator()
-    kron.update(block, ["fc", "absent"])
+    kron.update(block, ["fc"])
     torch.testing.assert_close(kron.result()["fc"][0], kfac_factors(x, r, layer_type, kw)[0])
+    with pytest.raises(KeyError, match="'absent'"):  # compat.md §7: a missing name is an error
+        kron.update(block, ["absent"])
     with pytest.raises(TypeError, match="'dense' is materialized"):
         kron.update(block, ["dense"])

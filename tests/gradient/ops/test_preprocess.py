@@ -221,7 +221,7 @@ def test_extract_module_kwargs_unsupported(module, layer_type, match):
 
 
 def test_extract_module_kwargs_bad_type():
-    with pytest.raises(ValueError, match="nn.BatchNorm1d.*valid types"):
+    with pytest.raises(ValueError, match="nn.BatchNorm1d.*must be one of"):
         extract_module_kwargs(nn.BatchNorm1d(3), "nn.BatchNorm1d")
     with pytest.raises(TypeError, match="Linear.*nn.Conv2d.*kernel_size"):
         extract_module_kwargs(nn.Linear(2, 2), "nn.Conv2d")

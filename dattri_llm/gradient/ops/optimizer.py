@@ -1,0 +1,459 @@
+"""Optimizer maps: per-sample update directions and the AdamW-influence kernels.
+
+``precondition`` maps per-sample gradients ``g : (B, k)`` on ``k`` coordinates to
+the update direction a coordinate-wise ``torch.optim`` optimizer would take if
+the sample alone formed the coming step, from the optimizer state *before* that
+step (``(k,)`` tensors on the same coordinates). The direction is the update
+with the learning rate factored out and weight decay dropped:
+``θ_after = θ_before − lr·precondition(g)`` for a one-sample batch (with
+``weight_decay=0``; Adagrad's ``lr_decay`` schedule is part of the direction).
+
+Arithmetic runs in the compute dtype of ``ops.dtypes`` (the promoted dtype of
+``g`` and the state, at least float32, so float64 inputs are mapped in float64);
+every result is returned as float32. ``maximize=True`` (a torch option) maps
+``-g``, as torch does.
+
+Lion is not in ``torch.optim``; the map follows its published rule (Chen et al.,
+2023): the update is ``sign(β1·m + (1−β1)·g)`` and the state afterwards is
+``m ← β2·m + (1−β2)·g`` (state key ``exp_avg``, default ``betas=(0.9, 0.99)``),
+so ``exp_avg`` passed here is ``m`` before that state update.
+
+The AdamW-influence kernels (``adam_preconditioner``, ``adamw_influence_push``,
+``adamw_influence_transition``, ``adamw_influence_coupling``) are the per-step
+pieces of the AdamW-influence backward recurrence over ``k`` coordinates and a
+``p``-row summary ``W = [W_θ | W_m | W_v]`` (each ``(p, k)``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from dattri_llm.gradient.ops import dtypes
+
+Tensor = torch.Tensor
+
+OPTIMIZER_STATE_KEYS: dict[str, tuple[str, ...]] = {
+    "SGD": ("momentum_buffer",),
+    "Adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "AdamW": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "Adamax": ("exp_avg", "exp_inf"),
+    "NAdam": ("exp_avg", "exp_avg_sq", "mu_product"),
+    "RAdam": ("exp_avg", "exp_avg_sq"),
+    "RMSprop": ("square_avg", "grad_avg", "momentum_buffer"),
+    "Adagrad": ("sum",),
+    "Adadelta": ("square_avg", "acc_delta"),
+    "Lion": ("exp_avg",),
+}
+
+# State keys holding one scalar for the whole parameter rather than one value per coordinate.
+_SCALAR_STATE_KEYS = frozenset({"mu_product"})
+
+_ADAM_BETAS = (0.9, 0.999)
+_LION_BETAS = (0.9, 0.99)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_step(step: int | float | Tensor, fn: str) -> float:
+    """``step`` as a float; ``ValueError`` unless it is at least 1."""
+    value = float(step.item() if isinstance(step, Tensor) else step)
+    if not value >= 1:
+        raise ValueError(
+            f"{fn}: step must be the index of the coming optimizer update (>= 1), got {step!r}; "
+            "pass the optimizer's state['step'] + 1."
+        )
+    return value
+
+
+def _hyper(hyperparameters: Mapping[str, Any], name: str, default: Any) -> Any:
+    """``hyperparameters[name]`` or ``default`` when missing or ``None``."""
+    value = hyperparameters.get(name)
+    return default if value is None else value
+
+
+def _scalar(value: float | Tensor) -> float:
+    """A Python float from a number or a one-element tensor (torch allows tensor betas)."""
+    return float(value.item() if isinstance(value, Tensor) else value)
+
+
+def _betas(hyperparameters: Mapping[str, Any], default: tuple[float, float]) -> tuple[float, float]:
+    """``(β1, β2)`` from ``hyperparameters["betas"]`` (default ``default``)."""
+    beta1, beta2 = _hyper(hyperparameters, "betas", default)
+    return _scalar(beta1), _scalar(beta2)
+
+
+class _State:
+    """Pre-step optimizer state of one parameter, cast to the compute dtype on ``g``'s device."""
+
+    def __init__(self, state: Mapping[str, Any] | None, keys: tuple[str, ...], g: Tensor) -> None:
+        tensors = {}
+        for key in keys:
+            value = None if state is None else state.get(key)
+            if value is not None:
+                tensors[key] = self._checked(torch.as_tensor(value), key, g.shape[1])
+        self.dtype = dtypes.resolve(g, *tensors.values(), minimum=torch.float32)
+        self._tensors = {key: t.to(device=g.device, dtype=self.dtype) for key, t in tensors.items()}
+
+    @staticmethod
+    def _checked(tensor: Tensor, key: str, k: int) -> Tensor:
+        """``tensor`` if its shape fits ``key`` (``(k,)``, or one element for a scalar key)."""
+        fits = tensor.numel() == 1 if key in _SCALAR_STATE_KEYS else tuple(tensor.shape) == (k,)
+        if not fits:
+            expected = "a single value" if key in _SCALAR_STATE_KEYS else f"shape ({k},)"
+            raise ValueError(
+                f"precondition: state[{key!r}] has shape {tuple(tensor.shape)} but must be "
+                f"{expected} for g with k={k} coordinates; pass the pre-step optimizer state "
+                "flattened to the same coordinates as g."
+            )
+        return tensor.reshape(-1) if key not in _SCALAR_STATE_KEYS else tensor.reshape(())
+
+    def get(self, key: str) -> Tensor | None:
+        """The state tensor ``key`` (``(k,)`` or 0-d), ``None`` if missing."""
+        return self._tensors.get(key)
+
+    def zeros_if_missing(self, key: str, g: Tensor) -> Tensor:
+        """The state tensor ``key``, or a zero scalar (broadcasts like ``(k,)``) if missing."""
+        value = self._tensors.get(key)
+        return g.new_zeros(()) if value is None else value
+
+
+def _ema(previous: Tensor, new: Tensor, decay: float) -> Tensor:
+    """``decay·previous + (1−decay)·new`` — ``(B, k)`` from ``previous : (k,)``, ``new : (B, k)``."""
+    return decay * previous + (1.0 - decay) * new
+
+
+# --------------------------------------------------------------------------- per-optimizer rules
+# Each rule takes ``g : (B, k)`` (compute dtype, sign of ``maximize`` applied), the pre-step
+# ``_State``, the coming step ``t`` and the hyperparameters, and returns the ``(B, k)`` direction.
+
+_Rule = Callable[[Tensor, _State, float, Mapping[str, Any]], Tensor]
+
+
+def _sgd(g: Tensor, state: _State, t: float, hp: Mapping[str, Any]) -> Tensor:
+    """SGD: ``g``; with momentum ``buf' = μ·buf + (1−dampening)·g`` (``g`` without a buffer)."""
+    momentum = _scalar(_hyper(hp, "momentum", 0.0))
+    if momentum == 0:
+        return g
+    dampening = _scalar(_hyper(hp, "dampening", 0.0))
+    buf = state.get("momentum_buffer")
+    new_buf = g if buf is None else momentum * buf + (1.0 - dampening) * g
+    return g + momentum * new_buf if _hyper(hp, "nesterov", False) else new_buf
+
+
+def _adam(g: Tensor, state: _State, t: float, hp: Mapping[str, Any]) -> Tensor:
+    """Adam / AdamW: ``m'/(1−β1^t) / (sqrt(v')/sqrt(1−β2^t) + eps)``; amsgrad uses ``max(v_max, v')``."""
+    beta1, beta2 = _betas(hp, _ADAM_BETAS)
+    eps = _scalar(_hyper(hp, "eps", 1e-8))
+    m = _ema(state.zeros_if_missing("exp_avg", g), g, beta1)
+    v = _ema(state.zeros_if_missing("exp_avg_sq", g), g * g, beta2)
+    if _hyper(hp, "amsgrad", False):
+        v = torch.maximum(state.zeros_if_missing("max_exp_avg_sq", g), v)
+    denom = v.sqrt() / math.sqrt(1.0 - beta2**t) + eps
+    return m / (1.0 - beta1**t) / denom
+
+
+def _adamax(g: Tensor, state: _State, t: float, hp: Mapping[str, Any]) -> Tensor:
+    """Adamax: ``m'/((1−β1^t)·max(β2·u, |g|+eps))``."""
+    beta1, beta2 = _betas(hp, _ADAM_BETAS)
+    eps = _scalar(_hyper(hp, "eps", 1e-8))
+    m = _ema(state.zeros_if_missing("exp_avg", g), g, beta1)
+    u = torch.maximum(beta2 * state.zeros_if_missing("exp_inf", g), g.abs() + eps)
+    return m / ((1.0 - beta1**t) * u)
+
+
+def _nadam_mu(beta1: float, t: float, momentum_decay: float) -> float:
+    """NAdam's momentum coefficient ``μ_t = β1(1 − 0.5·0.96^(t·ψ))``."""
+    return beta1 * (1.0 - 0.5 * 0.96 ** (t * momentum_decay))
+
+
+def _nadam(g: Tensor, state: _State, t: float, hp: Mapping[str, Any]) -> Tensor:
+    """NAdam: ``(1−μ_t)/(1−Π')·g/den + μ_{t+1}/(1−Π'μ_{t+1})·m'/den``.
+
+    A missing ``mu_product`` is ``Π = μ_1···μ_{t−1}`` (torch's value under constant
+    hyperparameters; 1 at the first step).
+    """
+    beta1, beta2 = _betas(hp, _ADAM_BETAS)
+    eps = _scalar(_hyper(hp, "eps", 1e-8))
+    psi = _scalar(_hyper(hp, "momentum_decay", 4e-3))
+    mu, mu_next = _nadam_mu(beta1, t, psi), _nadam_mu(beta1, t + 1, psi)
+    mu_product = state.get("mu_product")
+    if mu_product is None:
+        mu_product = math.prod(_nadam_mu(beta1, i, psi) for i in range(1, int(t)))
+    mu_product = mu_product * mu
+    m = _ema(state.zeros_if_missing("exp_avg", g), g, beta1)
+    v = _ema(state.zeros_if_missing("exp_avg_sq", g), g * g, beta2)
+    den = (v / (1.0 - beta2**t)).sqrt() + eps
+    grad_coef = (1.0 - mu) / (1.0 - mu_product)
+    momentum_coef = mu_next / (1.0 - mu_product * mu_next)
+    return (grad_coef * g + momentum_coef * m) / den
+
+
+def _radam(g: Tensor, state: _State, t: float, hp: Mapping[str, Any]) -> Tensor:
+    """RAdam: ``m̂`` while ``ρ_t ≤ 5``, else ``m̂·r·sqrt(1−β2^t)/(sqrt(v')+eps)``."""
+    beta1, beta2 = _betas(hp, _ADAM_BETAS)
+    eps = _scalar(_hyper(hp, "eps", 1e-8))
+    m_hat = _ema(state.zeros_if_missing("exp_avg", g), g, beta1) / (1.0 - beta1**t)
+    bias_correction2 = 1.0 - beta2**t
+    rho_inf = 2.0 / (1.0 - beta2) - 1.0
+    rho_t = rho_inf - 2.0 * t * beta2**t / bias_correction2
+    if rho_t <= 5.0:
+        return m_hat
+    rect = math.sqrt(
+        (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
+    )
+    v = _ema(state.zeros_if_missing("exp_avg_sq", g), g * g, beta2)
+    return m_hat * (rect * math.sqrt(bias_correction2)) / (v.sqrt() + eps)
+
+
+def _rmsprop(g: Tensor, state: _State, t: float, hp: Mapping[str, Any]) -> Tensor:
+    """RMSprop: ``g/(sqrt(v' [− ḡ'²])+eps)``; with momentum ``μ·buf + that``."""
+    alpha = _scalar(_hyper(hp, "alpha", 0.99))
+    eps = _scalar(_hyper(hp, "eps", 1e-8))
+    momentum = _scalar(_hyper(hp, "momentum", 0.0))
+    v = _ema(state.zeros_if_missing("square_avg", g), g * g, alpha)
+    if _hyper(hp, "centered", False):
+        mean = _ema(state.zeros_if_missing("grad_avg", g), g, alpha)
+        v = (v - mean * mean).clamp_min(0.0)
+    scaled = g / (v.sqrt() + eps)
+    if momentum > 0:
+        return momentum * state.zeros_if_missing("momentum_buffer", g) + scaled
+    return scaled
+
+
+def _adagrad(g: Tensor, state: _State, t: float, hp: Mapping[str, Any]) -> Tensor:
+    """Adagrad: ``g/(sqrt(sum+g²)+eps)/(1+(t−1)·lr_decay)``."""
+    eps = _scalar(_hyper(hp, "eps", 1e-10))
+    lr_decay = _scalar(_hyper(hp, "lr_decay", 0.0))
+    total = state.zeros_if_missing("sum", g) + g * g
+    return g / (total.sqrt() + eps) / (1.0 + (t - 1.0) * lr_decay)
+
+
+def _adadelta(g: Tensor, state: _State, t: float, hp: Mapping[str, Any]) -> Tensor:
+    """Adadelta: ``sqrt(acc+eps)/sqrt(v'+eps)·g`` with ``v' = ρv+(1−ρ)g²``."""
+    rho = _scalar(_hyper(hp, "rho", 0.9))
+    eps = _scalar(_hyper(hp, "eps", 1e-6))
+    v = _ema(state.zeros_if_missing("square_avg", g), g * g, rho)
+    return (state.zeros_if_missing("acc_delta", g) + eps).sqrt() / (v + eps).sqrt() * g
+
+
+def _lion(g: Tensor, state: _State, t: float, hp: Mapping[str, Any]) -> Tensor:
+    """Lion: ``sign(β1·m + (1−β1)·g)`` (``m`` = ``exp_avg`` before its ``β2`` update)."""
+    beta1, _ = _betas(hp, _LION_BETAS)
+    return torch.sign(_ema(state.zeros_if_missing("exp_avg", g), g, beta1))
+
+
+_RULES: dict[str, _Rule] = {
+    "SGD": _sgd,
+    "Adam": _adam,
+    "AdamW": _adam,
+    "Adamax": _adamax,
+    "NAdam": _nadam,
+    "RAdam": _radam,
+    "RMSprop": _rmsprop,
+    "Adagrad": _adagrad,
+    "Adadelta": _adadelta,
+    "Lion": _lion,
+}
+
+
+# --------------------------------------------------------------------------- public maps
+
+
+def precondition(
+    g: Tensor,
+    state: Mapping[str, Any] | None,
+    *,
+    optimizer_type: str,
+    step: int | float | Tensor,
+    **hyperparameters: Any,
+) -> Tensor:
+    """Per-sample update directions ``(B, k)`` float32 of ``optimizer_type``.
+
+    Args:
+        g: ``(B, k)`` per-sample gradients on ``k`` coordinates.
+        state: pre-step optimizer state of those coordinates, keys of
+            ``OPTIMIZER_STATE_KEYS[optimizer_type]`` with ``(k,)`` tensors
+            (``mu_product``: one value); other keys (e.g. ``"step"``) are ignored.
+            ``None`` or a missing key means zeros, except SGD's
+            ``momentum_buffer`` (missing → ``buf' = g``, torch's first step) and
+            NAdam's ``mu_product`` (missing → ``μ_1···μ_{t−1}``).
+        optimizer_type: a key of ``OPTIMIZER_STATE_KEYS`` (a ``torch.optim`` class
+            name, or ``"Lion"``).
+        step: index ``t ≥ 1`` of the coming update (``state["step"] + 1``).
+        **hyperparameters: the optimizer's param-group values (``betas``, ``eps``,
+            ``momentum``, ...); missing ones take the torch defaults; ``lr`` and
+            ``weight_decay`` are accepted and ignored (learning rate factored out,
+            weight decay dropped); ``maximize=True`` maps ``-g``.
+
+    Returns:
+        ``(B, k)`` float32: row ``i`` is the update direction if sample ``i`` alone
+        formed the step (``θ ← θ − lr·direction``).
+
+    Raises:
+        NotImplementedError: ``optimizer_type`` is not supported.
+        ValueError: ``step < 1``, ``g`` not 2-D, or a state tensor of the wrong shape.
+    """
+    rule = _RULES.get(optimizer_type)
+    if rule is None:
+        raise NotImplementedError(
+            f"precondition: optimizer type {optimizer_type!r} has no update map; supported "
+            f"types: {', '.join(OPTIMIZER_STATE_KEYS)}."
+        )
+    t = _check_step(step, "precondition")
+    if g.ndim != 2:
+        raise ValueError(
+            f"precondition: g must be (B, k) per-sample gradients, got shape {tuple(g.shape)}."
+        )
+    pre_step = _State(state, OPTIMIZER_STATE_KEYS[optimizer_type], g)
+    grads = g.to(pre_step.dtype)
+    if _hyper(hyperparameters, "maximize", False):
+        grads = -grads
+    return rule(grads, pre_step, t, hyperparameters).to(torch.float32)
+
+
+def adam_preconditioner(
+    m_hat: Tensor, v_hat: Tensor, *, eps: float = 1e-8
+) -> tuple[Tensor, Tensor]:
+    """Diagonal Adam Jacobian pieces ``(D, S)`` from bias-corrected moments.
+
+    ``D = 1/(sqrt(v̂)+eps)`` (derivative of ``m̂/(sqrt(v̂)+eps)`` in ``m̂``) and
+    ``S = m̂/(2·sqrt(v̂)·(sqrt(v̂)+eps)²)`` (minus its derivative in ``v̂``), with
+    ``S = 0`` where ``v̂ = 0``. Computed in float64.
+
+    Args:
+        m_hat: ``(k,)`` (any shape) bias-corrected first moment.
+        v_hat: same shape, bias-corrected second moment (``≥ 0``).
+        eps: Adam's epsilon.
+
+    Returns:
+        ``(D, S)``, float32, each of ``m_hat``'s shape.
+    """
+    m = m_hat.to(torch.float64)
+    root = v_hat.to(torch.float64).sqrt()
+    d = 1.0 / (root + eps)
+    s = torch.where(root > 0, m / (2.0 * root * (root + eps) ** 2), torch.zeros_like(m))
+    return d.to(torch.float32), s.to(torch.float32)
+
+
+def _influence_pieces(
+    g_z: Tensor, g_t: Tensor, d: Tensor, s: Tensor, lr: float, step: float, beta1: float,
+    beta2: float, fn: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(θ̇, ṁ, v̇)``, each ``(B, k)`` in the compute dtype (see ``adamw_influence_push``)."""
+    t = _check_step(step, fn)
+    g_z, g_t, d, s = dtypes.align(g_z, g_t, d, s, minimum=torch.float32)
+    m_dot = -(1.0 - beta1) * g_z
+    v_dot = -2.0 * (1.0 - beta2) * g_t * g_z
+    theta_dot = -lr * (d * m_dot / (1.0 - beta1**t) - s * v_dot / (1.0 - beta2**t))
+    return theta_dot, m_dot, v_dot
+
+
+def adamw_influence_push(
+    g_z: Tensor,
+    g_t: Tensor,
+    d: Tensor,
+    s: Tensor,
+    *,
+    lr: float,
+    step: int,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+) -> Tensor:
+    """State perturbation ``[θ̇ | ṁ | v̇]`` of one AdamW step from up-weighting each sample.
+
+    ``ṁ = −(1−β1)·g_z``, ``v̇ = −2(1−β2)·g_t⊙g_z``,
+    ``θ̇ = −lr·(D⊙ṁ/(1−β1^step) − S⊙v̇/(1−β2^step))``.
+
+    Args:
+        g_z: ``(B, k)`` per-sample gradients.
+        g_t: ``(k,)`` the batch gradient the step consumed.
+        d, s: ``(k,)`` from :func:`adam_preconditioner` at this step.
+        lr: the step's learning rate.
+        step: the step's update index (``≥ 1``).
+        beta1, beta2: AdamW's betas.
+
+    Returns:
+        ``(B, 3k)`` float32 ``[θ̇ | ṁ | v̇]``.
+    """
+    pieces = _influence_pieces(g_z, g_t, d, s, lr, step, beta1, beta2, "adamw_influence_push")
+    return torch.cat(pieces, dim=1).to(torch.float32)
+
+
+def adamw_influence_transition(
+    w_theta: Tensor,
+    w_m: Tensor,
+    w_v: Tensor,
+    d: Tensor,
+    s: Tensor,
+    *,
+    lr: float,
+    step: int,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    weight_decay: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Carry the summary ``W = [W_θ | W_m | W_v]`` back through one AdamW step.
+
+    ``W_θ' = (1−lr·wd)·W_θ``, ``W_m' = W_θ·diag(−lr·β1/(1−β1^step)·D) + β1·W_m``,
+    ``W_v' = W_θ·diag(lr·β2/(1−β2^step)·S) + β2·W_v`` (all from the input ``W_θ``).
+
+    Args:
+        w_theta, w_m, w_v: ``(p, k)`` summary blocks.
+        d, s: ``(k,)`` from :func:`adam_preconditioner` at this step.
+        lr: the step's learning rate.
+        step: the step's update index (``≥ 1``).
+        beta1, beta2: AdamW's betas.
+        weight_decay: the step's (decoupled) weight decay.
+
+    Returns:
+        ``(W_θ', W_m', W_v')``, each ``(p, k)`` float32.
+    """
+    t = _check_step(step, "adamw_influence_transition")
+    w_theta, w_m, w_v, d, s = dtypes.align(w_theta, w_m, w_v, d, s, minimum=torch.float32)
+    new_theta = (1.0 - lr * weight_decay) * w_theta
+    new_m = w_theta * (-lr * beta1 / (1.0 - beta1**t) * d) + beta1 * w_m
+    new_v = w_theta * (lr * beta2 / (1.0 - beta2**t) * s) + beta2 * w_v
+    return new_theta.to(torch.float32), new_m.to(torch.float32), new_v.to(torch.float32)
+
+
+def adamw_influence_coupling(
+    w_theta: Tensor,
+    w_m: Tensor,
+    w_v: Tensor,
+    g_z: Tensor,
+    g_t: Tensor,
+    d: Tensor,
+    s: Tensor,
+    *,
+    lr: float,
+    step: int,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+) -> Tensor:
+    """Per-sample coupling ``W_θ r_θ + W_m r_m + W_v r_v`` of one AdamW step.
+
+    ``r_θ = (−lr(1−β1)/(1−β1^step)·D + 2lr(1−β2)/(1−β2^step)·S⊙g_t)⊙g_z``,
+    ``r_m = (1−β1)·g_z``, ``r_v = 2(1−β2)·g_t⊙g_z`` — i.e. ``r = −push``, so the
+    result is ``−W·adamw_influence_push(g_z, ...)`` per sample.
+
+    Args:
+        w_theta, w_m, w_v: ``(p, k)`` summary blocks.
+        g_z: ``(B, k)`` per-sample gradients.
+        g_t: ``(k,)`` the batch gradient the step consumed.
+        d, s: ``(k,)`` from :func:`adam_preconditioner` at this step.
+        lr: the step's learning rate.
+        step: the step's update index (``≥ 1``).
+        beta1, beta2: AdamW's betas.
+
+    Returns:
+        ``(B, p)`` float32.
+    """
+    pieces = _influence_pieces(g_z, g_t, d, s, lr, step, beta1, beta2, "adamw_influence_coupling")
+    r = -torch.cat(pieces, dim=1)
+    w = torch.cat([w_theta, w_m, w_v], dim=1).to(r.dtype)
+    return (r @ w.T).to(torch.float32)

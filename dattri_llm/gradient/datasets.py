@@ -535,10 +535,16 @@ class DiskGradientSource:
 # --------------------------------------------------------------------------- re-batching
 
 
-def _is_dense(block: Gradient) -> bool:
-    """No factorized and no batch-level ``param_grad`` layer."""
+def _is_mergeable(block: Gradient, rows: int) -> bool:
+    """Dense (no factorized, no ``param_grad`` layer) with one row per sample on every layer.
+
+    A broadcast layer (one row shared by the block's ``rows > 1`` samples) is
+    not mergeable: concatenating it with another block would average its row.
+    """
     return all(
-        not isinstance(value, Factorized) and block.layer_types[name] != PARAM_GRAD_TYPES
+        not isinstance(value, Factorized)
+        and block.layer_types[name] != PARAM_GRAD_TYPES
+        and value.shape[0] == rows
         for name, value in block.data.items()
     )
 
@@ -560,32 +566,26 @@ class _DenseBuffer:
         self.pieces.append((steps, block, ids))
         self.rows += len(steps)
 
-    def merged(self) -> tuple[list[int], Gradient, list[str]]:
+    def take(self) -> tuple[list[int], Gradient, list[str]]:
+        """Every pending row as one block; the buffer is left empty."""
         steps = [s for piece in self.pieces for s in piece[0]]
         ids = [h for piece in self.pieces for h in piece[2]]
-        return steps, concatenate_gradients([piece[1] for piece in self.pieces]), ids
-
-    def take(self, n: int) -> tuple[list[int], Gradient, list[str]]:
-        """The first ``n`` rows; the rest stays buffered."""
-        steps, block, ids = self.merged()
+        block = concatenate_gradients([piece[1] for piece in self.pieces])
         self.pieces, self.rows = [], 0
-        if len(steps) > n:
-            rest = block.slice("batch", list(range(n, len(steps))))
-            self.add(steps[n:], rest, ids[n:])
-            block = block.slice("batch", list(range(n)))
-        return steps[:n], block, ids[:n]
+        return steps, block, ids
 
 
 def rebatch_blocks(
     source: Iterable[Block], batch_size: int
 ) -> Iterator[tuple[list[int], Gradient, list[str]]]:
-    """Re-batch dense blocks to ``batch_size`` rows; factorized blocks pass through.
+    """Re-batch dense blocks to at least ``batch_size`` rows; other blocks pass through.
 
     Yields ``(per-row steps, block, identifiers)``. Consecutive dense blocks
-    (all layers materialized, same layers) are concatenated and cut into
-    blocks of exactly ``batch_size`` rows (the last of a run may be smaller);
-    a factorized block (or one with another layer structure) first flushes
-    the pending rows, and factorized blocks are yielded one at a time.
+    (all layers materialized with one row per sample, same layers) are
+    concatenated until at least ``batch_size`` rows have accumulated; a batch
+    may exceed ``batch_size`` and no block is split. A factorized block, a
+    block with a broadcast or ``param_grad`` layer, or one with another layer
+    structure first flushes the pending rows, then is yielded on its own.
 
     Raises:
         ValueError: ``batch_size < 1``.
@@ -596,18 +596,18 @@ def rebatch_blocks(
     structure = None
     for step, block, ids in source:
         rows = [step] * len(ids)
-        if not _is_dense(block):
+        if not _is_mergeable(block, len(ids)):
             if buffer.rows:
-                yield buffer.take(buffer.rows)
+                yield buffer.take()
             yield rows, block, list(ids)
             del block  # release it before the source produces the next one
             continue
         if buffer.rows and _structure(block) != structure:
-            yield buffer.take(buffer.rows)
+            yield buffer.take()
         structure = _structure(block)
         buffer.add(rows, block, list(ids))
         del block
-        while buffer.rows >= batch_size:
-            yield buffer.take(batch_size)
+        if buffer.rows >= batch_size:
+            yield buffer.take()
     if buffer.rows:
-        yield buffer.take(buffer.rows)
+        yield buffer.take()

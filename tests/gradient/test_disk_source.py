@@ -193,17 +193,27 @@ def dense_block(step: int, batch: int):
     return step, make_gradient("dense", step, batch), [f"{step}_{i}" for i in range(batch)]
 
 
-def test_rebatch_dense_blocks_to_exact_sizes():
-    blocks = [dense_block(0, 3), dense_block(1, 2), dense_block(2, 4)]
+def test_rebatch_dense_blocks_to_at_least_batch_size_without_splitting():
+    blocks = [dense_block(0, 3), dense_block(1, 2), dense_block(2, 4), dense_block(3, 1)]
     out = list(rebatch_blocks(blocks, 4))
-    assert [len(s) for s, _, _ in out] == [4, 4, 1]
-    assert out[0][0] == [0, 0, 0, 1] and out[1][0] == [1, 2, 2, 2]
+    assert [len(s) for s, _, _ in out] == [5, 4, 1]  # 3+2 >= 4; 4 >= 4; the rest: no block cut
+    assert out[0][0] == [0, 0, 0, 1, 1] and out[1][0] == [2, 2, 2, 2] and out[2][0] == [3]
     all_ids = [h for _, _, ids in out for h in ids]
     assert all_ids == [h for _, _, ids in blocks for h in ids]
     whole = concatenate_gradients([g for _, g, _ in blocks])
     assert_gradients_equal(concatenate_gradients([g for _, g, _ in out]), whole)
     for _, g, ids in out:
         assert g.batch_size == len(ids)
+
+
+def test_rebatch_keeps_a_block_with_a_broadcast_layer_apart():
+    """Merging would average the broadcast row with the other blocks' rows."""
+    shared = dense_block(1, 3)
+    broadcast = shared[1].slice("batch", 0)  # one row for the block's three samples
+    blocks = [dense_block(0, 2), (1, broadcast, shared[2]), dense_block(2, 2)]
+    out = list(rebatch_blocks(blocks, 8))
+    assert [s for s, _, _ in out] == [[0, 0], [1, 1, 1], [2, 2]]
+    assert out[1][1] is broadcast
 
 
 def test_rebatch_factorized_blocks_pass_through_and_flush():

@@ -8,8 +8,6 @@ from the contract fails here. Annotations are not compared (the spec gives
 shapes, not type expressions), but their presence is checked separately.
 
 Deliberate, documented extensions of the contract are marked ``# extension``.
-The optimizer maps (``ops/optimizer.py``, ``gradient/optimizer_state.py``) are
-not part of this release and are not checked.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ PREPROCESS = "dattri_llm.gradient.ops.preprocess"
 MATERIALIZE = "dattri_llm.gradient.ops.materialize"
 DOT = "dattri_llm.gradient.ops.dot"
 KRONECKER = "dattri_llm.gradient.ops.kronecker"
+OPTIMIZER = "dattri_llm.gradient.ops.optimizer"
 DTYPES = "dattri_llm.gradient.ops.dtypes"
 PROJECTION = "dattri_llm.gradient.ops.projection"
 HASHING = "dattri_llm.utils.hashing"
@@ -152,6 +151,23 @@ SPEC_SIGNATURES: list[tuple[str, str, str]] = [
     (KRONECKER, "ekfac_materialize", "f, layer_type, U_A, U_G, include_bias=True"),
     (KRONECKER, "ekfac_precondition", "M, U_A, U_G, lam, layer_type"),
     (KRONECKER, "LayerKroneckerAccumulator", ""),
+    (OPTIMIZER, "precondition", "g, state, *, optimizer_type, step, **hyperparameters"),
+    (OPTIMIZER, "adam_preconditioner", "m_hat, v_hat, *, eps=1e-8"),
+    (
+        OPTIMIZER,
+        "adamw_influence_push",
+        "g_z, g_t, d, s, *, lr, step, beta1=0.9, beta2=0.999",
+    ),
+    (
+        OPTIMIZER,
+        "adamw_influence_transition",
+        "w_theta, w_m, w_v, d, s, *, lr, step, beta1=0.9, beta2=0.999, weight_decay=0.0",
+    ),
+    (
+        OPTIMIZER,
+        "adamw_influence_coupling",
+        "w_theta, w_m, w_v, g_z, g_t, d, s, *, lr, step, beta1=0.9, beta2=0.999",
+    ),
     (
         KRONECKER,
         "LayerKroneckerAccumulator.update",
@@ -551,8 +567,7 @@ def test_gradient_aliases():
     assert gradient.GradientData == torch.Tensor | gradient.Factorized
 
 
-# ops.md §0, transcribed. The optimizer maps are not part of this release (see the
-# ``dattri_llm.gradient.ops`` docstring), so their six names are absent.
+# ops.md §0, transcribed.
 SPEC_OPS_ALL = """
 ALL_LAYER_TYPES CAPTURE_STYLES CONV_TRANSPOSE_TYPES CONV_TYPES EMBEDDING_TYPES LINEAR_TYPES
 MASK_KEYS NORM_TYPES OPTIMIZER_STATE_KEYS PARAM_GRAD_TYPES PROJECTION_STYLES DattriProjector
@@ -572,14 +587,6 @@ preprocess_factorized preprocess_factors project_activation project_factorized p
 project_gradient project_layer project_materialized project_materialized_factors
 set_compute_dtype should_materialize sym_inverse to_3d
 """.split()
-OPTIMIZER_MAP_NAMES = {
-    "OPTIMIZER_STATE_KEYS",
-    "adam_preconditioner",
-    "adamw_influence_coupling",
-    "adamw_influence_push",
-    "adamw_influence_transition",
-    "precondition",
-}
 
 SPEC_UTILS_ALL = """
 CACHE_RESIDENCIES CacheBudget TensorCache dist_rank dist_world_size hash_batch hash_sample
@@ -592,6 +599,6 @@ def test_ops_and_utils_all_match_spec():
     from dattri_llm.gradient import ops
 
     assert len(SPEC_OPS_ALL) == 85
-    assert sorted(ops.__all__) == sorted(set(SPEC_OPS_ALL) - OPTIMIZER_MAP_NAMES)
+    assert sorted(ops.__all__) == sorted(SPEC_OPS_ALL)
     assert sorted(utils.__all__) == sorted(SPEC_UTILS_ALL)
     assert "all_reduce_sum" not in importlib.import_module(DISTRIBUTED).__all__

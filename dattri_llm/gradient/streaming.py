@@ -130,7 +130,10 @@ class GradientStreamer:
     Two regimes. **Frozen probe** (``enable_update=False``): batches in dataset
     order, model in ``eval()``, every block labelled ``checkpoint_step``;
     gradients already on the parameters, module modes and the global RNG state
-    are restored after each pass, so the probe is ``reusable``.
+    are restored after each pass (however it ends), so the probe is
+    ``reusable`` and a probe taken between a trajectory's steps leaves it
+    bit-identical, also for gradients a wrapper keeps in its own buffers (DDP
+    ``gradient_as_bucket_view``, FSDP ``keep_low_precision_grads``).
     **Trajectory** (``enable_update=True``): model in ``train()``, batches in
     the order of ``DataLoader(dataset, batch_size, shuffle=True,
     generator=torch.Generator().manual_seed(args.data_seed))`` (``args.seed``

@@ -221,6 +221,19 @@ def test_gradient_stash_restores_storage_dtype_and_values():
     assert all(p.grad is g for p, g in zip(standalone.parameters(), own))
 
 
+def test_gradient_stash_sets_a_sparse_gradient_aside():
+    from dattri_llm.gradient._training import restore_gradients, stash_gradients
+
+    embedding = nn.Embedding(5, 2, sparse=True)
+    embedding(torch.tensor([1, 3])).sum().backward()
+    grad = embedding.weight.grad
+    assert grad.layout == torch.sparse_coo
+    stash = stash_gradients([embedding.weight])
+    assert embedding.weight.grad is None
+    restore_gradients(stash)
+    assert embedding.weight.grad is grad
+
+
 # -------------------------------------------------------------------- trajectory
 
 

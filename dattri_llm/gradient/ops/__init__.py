@@ -2,7 +2,6 @@
 products, projections and the compute-dtype policy.
 
 Every name is re-exported from its defining submodule (see ``docs/API.md``).
-The optimizer maps (``ops/optimizer.py``) are not part of this release.
 """
 
 from dattri_llm.gradient.ops import dtypes
@@ -52,6 +51,14 @@ from dattri_llm.gradient.ops.kronecker import (
     sym_inverse,
 )
 from dattri_llm.gradient.ops.materialize import materialize, materialize_factors
+from dattri_llm.gradient.ops.optimizer import (
+    OPTIMIZER_STATE_KEYS,
+    adam_preconditioner,
+    adamw_influence_coupling,
+    adamw_influence_push,
+    adamw_influence_transition,
+    precondition,
+)
 from dattri_llm.gradient.ops.preprocess import (
     extract_module_kwargs,
     preprocess_factorized,
@@ -105,6 +112,7 @@ __all__ = [
     "LINEAR_TYPES",
     "MASK_KEYS",
     "NORM_TYPES",
+    "OPTIMIZER_STATE_KEYS",
     "PARAM_GRAD_TYPES",
     "PROJECTION_STYLES",
     "DattriProjector",
@@ -113,6 +121,10 @@ __all__ = [
     "LayerFisherAccumulator",
     "LayerKroneckerAccumulator",
     "ProjectionMatrix",
+    "adam_preconditioner",
+    "adamw_influence_coupling",
+    "adamw_influence_push",
+    "adamw_influence_transition",
     "apply_projection",
     "as_float",
     "canonical_class_name",
@@ -163,6 +175,7 @@ __all__ = [
     "maybe_use_materialized_norm",
     "pairwise_dot",
     "pairwise_dot_factors",
+    "precondition",
     "preprocess_factorized",
     "preprocess_factors",
     "project_activation",

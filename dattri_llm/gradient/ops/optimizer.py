@@ -123,7 +123,7 @@ class _State:
 
 
 def _ema(previous: Tensor, new: Tensor, decay: float) -> Tensor:
-    """``decay·previous + (1−decay)·new`` — ``(B, k)`` from ``previous : (k,)``, ``new : (B, k)``."""
+    """``decay·previous + (1−decay)·new`` as ``(B, k)``; ``previous`` is ``(k,)`` or 0-d."""
     return decay * previous + (1.0 - decay) * new
 
 
@@ -146,7 +146,10 @@ def _sgd(g: Tensor, state: _State, t: float, hp: Mapping[str, Any]) -> Tensor:
 
 
 def _adam(g: Tensor, state: _State, t: float, hp: Mapping[str, Any]) -> Tensor:
-    """Adam / AdamW: ``m'/(1−β1^t) / (sqrt(v')/sqrt(1−β2^t) + eps)``; amsgrad uses ``max(v_max, v')``."""
+    """Adam / AdamW: ``m'/(1−β1^t) / (sqrt(v')/sqrt(1−β2^t) + eps)``.
+
+    With ``amsgrad`` the second moment is ``max(max_exp_avg_sq, v')``.
+    """
     beta1, beta2 = _betas(hp, _ADAM_BETAS)
     eps = _scalar(_hyper(hp, "eps", 1e-8))
     m = _ema(state.zeros_if_missing("exp_avg", g), g, beta1)
@@ -341,8 +344,15 @@ def adam_preconditioner(
 
 
 def _influence_pieces(
-    g_z: Tensor, g_t: Tensor, d: Tensor, s: Tensor, lr: float, step: float, beta1: float,
-    beta2: float, fn: str,
+    g_z: Tensor,
+    g_t: Tensor,
+    d: Tensor,
+    s: Tensor,
+    lr: float,
+    step: float,
+    beta1: float,
+    beta2: float,
+    fn: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(θ̇, ṁ, v̇)``, each ``(B, k)`` in the compute dtype (see ``adamw_influence_push``)."""
     t = _check_step(step, fn)

@@ -18,6 +18,8 @@ from dattri_llm.gradient.callbacks import (
     HookManagerCallback,
     KroneckerCovarianceCallback,
     OffloadCallback,
+    OptimizerStateCallback,
+    ParameterSnapshotCallback,
 )
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
 from dattri_llm.gradient.hooks import (
@@ -26,6 +28,7 @@ from dattri_llm.gradient.hooks import (
     HookManagerConfig,
     default_hook_assignment,
 )
+from dattri_llm.gradient.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.hashing import hash_batch, hash_sample
 
@@ -57,6 +60,9 @@ __all__ = [
     "HookManagerConfig",
     "KroneckerCovarianceCallback",
     "OffloadCallback",
+    "OptimizerStateCallback",
+    "ParameterSnapshotCallback",
+    "TrajectorySnapshots",
     "default_hook_assignment",
     "hash_batch",
     "hash_sample",

@@ -153,7 +153,9 @@ class AttributionArguments:
         tokens = [tok for part in parts for tok in part.split()]
         unknown = [tok for tok in tokens if tok not in FSDP_OPTIONS]
         if unknown:
-            raise ValueError(f"fsdp: unknown option(s) {unknown}; valid options: {FSDP_OPTIONS}")
+            raise ValueError(
+                f"fsdp: unknown option(s) {unknown}; each must be one of {FSDP_OPTIONS}"
+            )
         return tokens
 
     def _validate(self) -> None:

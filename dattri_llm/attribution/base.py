@@ -572,7 +572,7 @@ class BaseInnerProductAttributor(BaseAttributor):
             CACHE_RESIDENCIES
         ):
             raise ValueError(
-                f"gradient_cache_residency must be None or one of {CACHE_RESIDENCIES}, got "
+                f"gradient_cache_residency must be one of {[None, *CACHE_RESIDENCIES]}, got "
                 f"{gradient_cache_residency!r}"
             )
         if gradient_cache_residency is not None and enable_update and loop_over_test:

@@ -13,6 +13,8 @@ from dattri_llm.gradient.callbacks import (
     HookManagerCallback,
     KroneckerCovarianceCallback,
     OffloadCallback,
+    OptimizerStateCallback,
+    ParameterSnapshotCallback,
 )
 from dattri_llm.gradient.gradient import GradientRecord
 from dattri_llm.gradient.hooks import (
@@ -38,6 +40,7 @@ from dattri_llm.gradient.ops import (
     materialize,
     pairwise_dot,
 )
+from dattri_llm.gradient.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 
 __all__ = [
@@ -55,6 +58,9 @@ __all__ = [
     "LayerFisherAccumulator",
     "LayerKroneckerAccumulator",
     "OffloadCallback",
+    "OptimizerStateCallback",
+    "ParameterSnapshotCallback",
+    "TrajectorySnapshots",
     "canonical_class_name",
     "default_hook_assignment",
     "dot",

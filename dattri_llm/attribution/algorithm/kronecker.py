@@ -248,7 +248,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             raise ValueError(f"direct_fim_max_params must be > 0, got {direct_fim_max_params}.")
         if factor_cache_residency is not None and factor_cache_residency not in CACHE_RESIDENCIES:
             raise ValueError(
-                f"factor_cache_residency must be None or one of {CACHE_RESIDENCIES}, got "
+                f"factor_cache_residency must be one of {[None, *CACHE_RESIDENCIES]}, got "
                 f"{factor_cache_residency!r}."
             )
         self.damping = float(damping)

@@ -133,13 +133,15 @@ def effective_dims(f: Factorized, layer_type: str) -> tuple[int, int, int, int]:
 def _check_mode(mode: str) -> None:
     """Raise ``ValueError`` unless ``mode`` is a routing mode."""
     if mode not in _ROUTING_MODES:
-        raise ValueError(f"mode={mode!r} is not a routing mode; use one of {_ROUTING_MODES}.")
+        raise ValueError(
+            f"mode={mode!r} is not a routing mode; it must be one of {_ROUTING_MODES}."
+        )
 
 
 def _check_reduce(reduce: str) -> None:
     """Raise ``ValueError`` unless ``reduce`` is ``"sum"`` or ``"none"``."""
     if reduce not in _REDUCTIONS:
-        raise ValueError(f"reduce={reduce!r} is invalid; use one of {_REDUCTIONS}.")
+        raise ValueError(f"reduce={reduce!r} is invalid; it must be one of {_REDUCTIONS}.")
 
 
 def _family(layer_type: str, fn: str) -> str:
@@ -151,7 +153,7 @@ def _family(layer_type: str, fn: str) -> str:
         )
     if layer_type not in ALL_LAYER_TYPES:
         raise ValueError(
-            f"{fn}: unknown layer type {layer_type!r}; expected one of {sorted(ALL_LAYER_TYPES)}."
+            f"{fn}: unknown layer type {layer_type!r}; it must be one of {sorted(ALL_LAYER_TYPES)}."
         )
     if is_norm(layer_type):
         return "norm"

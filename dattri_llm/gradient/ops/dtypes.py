@@ -47,7 +47,7 @@ def _parse_policy(policy: str | torch.dtype) -> Policy:
             return _POLICY_NAMES[policy]
     valid = ", ".join(repr(name) for name in ("auto", *_POLICY_NAMES))
     raise ValueError(
-        f"Invalid compute dtype policy {policy!r}; use one of {valid} "
+        f"Invalid compute dtype policy {policy!r}; it must be one of {valid} "
         "or torch.float32/float64/bfloat16/float16."
     )
 

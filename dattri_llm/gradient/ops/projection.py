@@ -199,7 +199,8 @@ def random_project(
     _check_proj_dim(proj_dim, "random_project")
     if proj_type not in _BUILTIN_PROJ_TYPES:
         raise ValueError(
-            f"random_project: unknown proj_type {proj_type!r}; use one of {_BUILTIN_PROJ_TYPES}."
+            f"random_project: unknown proj_type {proj_type!r}; it must be one of "
+            f"{_BUILTIN_PROJ_TYPES}."
         )
     if not 1 <= sjlt_c <= proj_dim:
         raise ValueError(
@@ -1014,7 +1015,9 @@ def should_materialize(capture_style: str, seq_len: int, k_a: int, k_g: int) -> 
         return True
     if capture_style == "auto":
         return maybe_materialize_projected(seq_len, k_a, k_g)
-    raise ValueError(f"Unknown capture_style {capture_style!r}; use one of {CAPTURE_STYLES}.")
+    raise ValueError(
+        f"Unknown capture_style {capture_style!r}; it must be one of {CAPTURE_STYLES}."
+    )
 
 
 def project_layer(
@@ -1036,13 +1039,13 @@ def project_layer(
     """
     if style not in PROJECTION_STYLES:
         raise ValueError(
-            f"project_layer({layer_type}): unknown projection style {style!r}; use one of "
+            f"project_layer({layer_type}): unknown projection style {style!r}; it must be one of "
             f"{PROJECTION_STYLES}."
         )
     if capture_style not in CAPTURE_STYLES:
         raise ValueError(
-            f"project_layer({layer_type}): unknown capture_style {capture_style!r}; use one of "
-            f"{CAPTURE_STYLES}."
+            f"project_layer({layer_type}): unknown capture_style {capture_style!r}; it must be "
+            f"one of {CAPTURE_STYLES}."
         )
     if "proj_dim" not in proj_kwargs:
         raise ValueError(

@@ -1,0 +1,262 @@
+"""``OptimizerStateCallback``: Adam moments before and after every update, on captured coordinates.
+
+Entries (``pre[step]``, ``post[step]``, or the snapshot store's dynamics files)::
+
+    {"moments": {layer: (exp_avg (k,), exp_avg_sq (k,))},   # float32 CPU
+     "step": <updates taken when read>, "lr": float, "betas": (β1, β2),
+     "eps": float, "weight_decay": float}
+
+``k`` is the layer's materialize-layout width, or its mask size under a
+``"mask"`` projection. :func:`assemble_dynamics` joins the two sides of a
+step into the entry AdamW-influence consumes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from dattri_llm.gradient.callbacks.base import HookManagerCallback
+from dattri_llm.gradient.gradient import base_layer_name
+from dattri_llm.gradient.ops.projection import DattriProjector, mask_coordinates
+from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
+from dattri_llm.gradient.optimizer_state import LayerOptimizerState, OptimizerSnapshot
+
+if TYPE_CHECKING:
+    from dattri_llm.gradient.gradient import GradientRecord
+    from dattri_llm.gradient.snapshots import TrajectorySnapshots
+
+__all__ = ["OptimizerStateCallback", "assemble_dynamics"]
+
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW")
+_GROUP_KEYS = ("step", "lr", "betas", "eps", "weight_decay")
+
+
+def assemble_dynamics(pre: dict, post: dict) -> dict:
+    """One step's dynamics entry from its ``pre`` and ``post`` side entries.
+
+    Returns:
+        ``{"pre": {layer: (m, v)}, "post": {layer: (m, v)}, "step": post["step"],
+        "lr", "betas", "eps", "weight_decay"}`` — ``step`` is the update count after
+        the step's update; the hyperparameters come from the pre side.
+    """
+    return {
+        "pre": pre["moments"],
+        "post": post["moments"],
+        "step": post["step"],
+        "lr": pre["lr"],
+        "betas": pre["betas"],
+        "eps": pre["eps"],
+        "weight_decay": pre["weight_decay"],
+    }
+
+
+def _group_values(layer: LayerOptimizerState) -> dict:
+    """``step``, ``lr``, ``betas``, ``eps``, ``weight_decay`` of one layer's read."""
+    hp = layer.hyperparameters
+    betas = tuple(float(b) for b in hp.get("betas", (0.9, 0.999)))
+    return {
+        "step": layer.step,
+        "lr": layer.lr,
+        "betas": betas,
+        "eps": float(hp.get("eps", 1e-8)),
+        "weight_decay": float(hp.get("weight_decay", 0.0)),
+    }
+
+
+class OptimizerStateCallback(HookManagerCallback):
+    """Record Adam / AdamW first and second moments around every optimizer update.
+
+    ``on_step_end`` (which fires at the end of the backward, before
+    ``optimizer.step()``) reads each captured layer's ``(exp_avg, exp_avg_sq)``
+    on its captured coordinates into ``pre[step]``; the user calls
+    :meth:`record_post` after ``optimizer.step()`` for the same read into
+    ``post[step]``. With ``snapshots`` the entries go to
+    ``snapshots.save_dynamics`` instead of memory.
+
+    Args:
+        model: the trained model (as the optimizer sees it; wrapped or not).
+        optimizer: the optimizer, or a callable returning it (resolved on first read).
+        projection_kwargs: the capture's per-layer projection configs
+            (``"__default__"`` fallback); ``"mask"`` layers are read on their
+            mask coordinates, layers without a config on all coordinates. It
+            must match the hook manager's config: ``None`` means all coordinates.
+        layers: record only these layer names (default: every layer of the record).
+        snapshots: a :class:`TrajectorySnapshots` store to write the entries to.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Callable[[], torch.optim.Optimizer],
+        *,
+        projection_kwargs: dict[str, dict] | None = None,
+        layers: Iterable[str] | None = None,
+        snapshots: TrajectorySnapshots | None = None,
+    ) -> None:
+        self.model = model
+        self._optimizer = optimizer
+        self.projection_kwargs = projection_kwargs
+        self.layers = None if layers is None else frozenset(layers)
+        self.snapshots = snapshots
+        self.pre: dict[int, dict] = {}
+        self.post: dict[int, dict] = {}
+        self._snapshot: OptimizerSnapshot | None = None
+        self._projector = DattriProjector()
+        self._coordinates: dict[str, torch.Tensor | None] = {}
+        self._layers_at: dict[int, list[str]] = {}
+        self._warned_mixed = False
+
+    @property
+    def snapshot(self) -> OptimizerSnapshot:
+        """The :class:`~dattri_llm.gradient.optimizer_state.OptimizerSnapshot` (built on first use).
+
+        Raises:
+            NotImplementedError: the optimizer is not an ``Adam`` / ``AdamW``.
+        """
+        if self._snapshot is None:
+            snapshot = OptimizerSnapshot(self.model, self._optimizer)
+            kind = snapshot.optimizer_type
+            if kind not in _SUPPORTED_OPTIMIZERS:
+                raise NotImplementedError(
+                    f"OptimizerStateCallback records Adam-family moments (exp_avg, exp_avg_sq); "
+                    f"the optimizer is a {type(snapshot.optimizer).__name__} ({kind}). Use "
+                    "torch.optim.Adam or AdamW."
+                )
+            self._snapshot = snapshot
+        return self._snapshot
+
+    def _include_bias(self, layer_name: str) -> bool:
+        config = self._config(layer_name)
+        return True if config is None else bool(config.get("include_bias", True))
+
+    def _config(self, layer_name: str) -> dict | None:
+        if not self.projection_kwargs:
+            return None
+        return self.projection_kwargs.get(layer_name, self.projection_kwargs.get("__default__"))
+
+    def coordinates(self, layer_name: str) -> torch.Tensor | None:
+        """Mask indices of ``layer_name`` from ``projection_kwargs`` (``None`` = all coordinates).
+
+        ``ValueError`` when the layer's config is not a ``"mask"`` projection.
+        """
+        if layer_name not in self._coordinates:
+            width = self.snapshot.layer_width(layer_name, self._include_bias(layer_name))
+            self._coordinates[layer_name] = mask_coordinates(
+                self.projection_kwargs, layer_name, width, self._projector
+            )
+        return self._coordinates[layer_name]
+
+    # ---- hooks
+
+    def on_layer_backward(
+        self,
+        layer_name: str,
+        grad_output: torch.Tensor,
+        layer_type: str,
+        module_kwargs: dict | None,
+    ) -> None:
+        """Bind the layer while its parameters are unsharded (FSDP); no-op otherwise."""
+        if self._wanted(layer_name):
+            self.snapshot.bind(layer_name)
+
+    def on_step_end(self, record: GradientRecord) -> None:
+        """Read the pre-update moments of the record's layers into ``pre[record.step]``."""
+        names = [
+            name
+            for name, layer_type in record.gradient.layer_types.items()
+            if layer_type != PARAM_GRAD_TYPES and self._wanted(name)
+        ]
+        self._layers_at[record.step] = names
+        self._save(record.step, "pre", self._read(names))
+
+    def record_post(self, step: int) -> None:
+        """Read the post-update moments of the layers seen at ``step`` into ``post[step]``.
+
+        Call it after ``optimizer.step()``. ``KeyError`` if ``step`` has no pre entry.
+        """
+        names = self._layers_at.get(step)
+        if names is None:
+            pre = self.snapshots.load_dynamics(step, "pre") if self.snapshots else None
+            if pre is None:
+                raise KeyError(
+                    f"OptimizerStateCallback.record_post({step}): no pre-update entry for step "
+                    f"{step}; recorded steps: {sorted(self._layers_at)}. Call record_post with "
+                    "the step of the capture record after that step's optimizer.step()."
+                )
+            names = list(pre["moments"])
+        self._save(step, "post", self._read(names))
+
+    def dynamics(self) -> Mapping[int, dict]:
+        """``{step: assemble_dynamics(pre, post)}`` for every step having both sides.
+
+        A plain dict from memory, or a lazy read-only mapping over the snapshot store.
+        """
+        if self.snapshots is not None:
+            # snapshots.py imports this module (assemble_dynamics): import it here, not at the top.
+            from dattri_llm.gradient.snapshots import LazyDynamics
+
+            return LazyDynamics(self.snapshots)
+        return {
+            s: assemble_dynamics(self.pre[s], self.post[s])
+            for s in sorted(self.pre)
+            if s in self.post
+        }
+
+    # ---- reading
+
+    def _wanted(self, layer_name: str) -> bool:
+        return self.layers is None or layer_name in self.layers
+
+    def _read(self, names: list[str]) -> dict:
+        """Entry for ``names``: moments per layer (use sites share their module's read)."""
+        moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        by_module: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        values: dict[str, dict] = {}
+        for name in names:
+            base = base_layer_name(name)
+            key = (base, self._include_bias(name))
+            if key not in by_module:
+                layer = self.snapshot.read(
+                    name,
+                    _MOMENT_KEYS,
+                    coordinates=self.coordinates(name),
+                    include_bias=key[1],
+                    zeros_for_missing=True,
+                )
+                by_module[key] = (layer.state["exp_avg"], layer.state["exp_avg_sq"])
+                values[name] = _group_values(layer)
+            moments[name] = by_module[key]
+        return {"moments": moments, **self._common(values)}
+
+    def _common(self, values: dict[str, dict]) -> dict:
+        """The entry's step / hyperparameters: the first layer's (warns once if layers differ)."""
+        if not values:  # every layer of the record filtered out: the first group's values
+            group = self.snapshot.optimizer.param_groups[0]
+            state = self.snapshot.optimizer.state.get(group["params"][0], {})
+            return _group_values(
+                LayerOptimizerState({}, int(state.get("step", 0)), group, float(group["lr"]))
+            )
+        first_name, first = next(iter(values.items()))
+        differing = sorted(n for n, v in values.items() if v != first)
+        if differing and not self._warned_mixed:
+            self._warned_mixed = True
+            warnings.warn(
+                f"OptimizerStateCallback: layers {differing} have a different step count or "
+                f"param-group hyperparameters than {first_name!r}; the dynamics record one value "
+                f"of {_GROUP_KEYS} per step, taken from {first_name!r}.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return first
+
+    def _save(self, step: int, side: str, entry: dict) -> None:
+        if self.snapshots is not None:
+            self.snapshots.save_dynamics(step, side, entry)
+        else:
+            (self.pre if side == "pre" else self.post)[step] = entry

@@ -45,6 +45,7 @@ from dattri_llm.gradient.ops.preprocess import extract_module_kwargs
 from dattri_llm.gradient.ops.projection import (
     CAPTURE_STYLES,
     DattriProjector,
+    mask_factorized,
     project_activation,
     project_gradient,
     project_layer,
@@ -65,6 +66,7 @@ __all__ = [
     "HF_Conv1D",  # noqa: F822 (resolved lazily by __getattr__)
     "LayerBuffer",
     "ParamGradBuffer",
+    "check_preconditionable_projection",
     "current_forward_token",
     "install_invasive_forward",
     "register_linear_io_hooks",
@@ -332,7 +334,10 @@ class LayerCapture:
     whose forward is no longer pending (a repeated backward over a retained
     graph: a ``UserWarning``, no buffering, no ``on_layer_backward``);
     ``decisions`` (shared, reset by the owner per step) fixes each layer's
-    representation by its first capture.
+    representation by its first capture. ``preconditioner`` (preconditioned
+    capture), called as ``preconditioner(name, entries, projection)`` on the
+    dense per-sample gradient of the captured coordinates, maps each capture
+    while its ``enabled`` attribute (default ``True``) is true.
     """
 
     def __init__(
@@ -354,6 +359,7 @@ class LayerCapture:
         on_orphan: Callable[[str], None] | None = None,
         lock: threading.RLock | None = None,
         decisions: dict[str, bool] | None = None,
+        preconditioner: Callable[[str, torch.Tensor, dict | None], torch.Tensor] | None = None,
     ) -> None:
         self.name = name
         self.layer_type = layer_type
@@ -371,6 +377,7 @@ class LayerCapture:
         self.on_orphan = on_orphan
         self.lock = lock or threading.RLock()
         self.decisions = {} if decisions is None else decisions
+        self.preconditioner = preconditioner
         self.logra_at_forward = (
             projection is not None
             and projection.get("style", "logra") == "logra"
@@ -530,12 +537,37 @@ class LayerCapture:
         if self.logra_at_forward:
             return self._final_factors(entry, Factorized(a, g, None, self.batch_first))
         raw = Factorized(a, g, self.module_kwargs, self.batch_first)
+        if self.preconditioning:
+            return self._dense(entry, self._preconditioned(raw))
         if self.projection is not None:
             return self._projected(entry, raw)
         if self._decide(lambda: _auto_materialize(raw, self.layer_type)):
             return self._dense(entry, materialize(raw, self.layer_type))
         indexing = "batch_token" if a.ndim >= 3 or _is_integer(a) else "batch"
         return Capture(entry.seq, entry.device, raw, "factorized", self.layer_type, indexing)
+
+    @property
+    def preconditioning(self) -> bool:
+        """Whether captures go through the preconditioner now (one is set and enabled)."""
+        return self.preconditioner is not None and bool(
+            getattr(self.preconditioner, "enabled", True)
+        )
+
+    def _preconditioned(self, raw: Factorized) -> torch.Tensor:
+        """The preconditioner's map of the per-sample gradient on the captured coordinates.
+
+        The preconditioner receives ``(B, k)`` dense rows in materialize layout:
+        the whole layer (``k = d``) when unprojected or before a ``"dense"``
+        projection (which it applies after the map), the ``k = proj_dim`` mask
+        coordinates gathered from the factors under ``"mask"``.
+        """
+        style, proj = self._proj_args()
+        if self.projection is not None and style == "mask":
+            entries = mask_factorized(raw, self.layer_type, self.projector, **proj)
+        else:
+            include_bias = bool(proj.get("include_bias", True))
+            entries = materialize(raw, self.layer_type, include_bias=include_bias)
+        return self.preconditioner(self.name, entries, self.projection)
 
     def _final_factors(self, entry: _Pending, final: Any) -> Capture:
         """Projected (``module_kwargs=None``) factors, kept or materialized per capture style."""
@@ -628,10 +660,13 @@ def register_linear_io_hooks(
     per ``projection_kwargs`` / ``capture_style``). Callbacks are called as
     ``fn(layer_name, tensor, layer_type, module_kwargs)``. Layers whose own
     parameters are all frozen are skipped unless ``include_frozen``.
-    Returns ``(buffers, handles)``; release with :func:`remove_hooks`.
+    ``preconditioner`` (e.g. ``optimizer_state.GradientPreconditioner``) maps
+    each capture's dense per-sample gradient on the captured coordinates,
+    ``preconditioner(layer_name, (B, k) entries, layer projection or None)``,
+    and the dense result is buffered; ``"logra"`` projections are then refused
+    (``ValueError``). Returns ``(buffers, handles)``; release with
+    :func:`remove_hooks`.
     """
-    if preconditioner is not None:
-        raise NotImplementedError("preconditioned capture is not implemented yet")
     captures, handles = attach_linear_io(
         model,
         layer_names,
@@ -644,6 +679,7 @@ def register_linear_io_hooks(
         include_frozen=include_frozen,
         on_layer_forward=on_layer_forward,
         on_layer_backward=on_layer_backward,
+        preconditioner=preconditioner,
     )
     return {name: capture.buffer for name, capture in captures.items()}, handles
 
@@ -656,6 +692,20 @@ def check_capture_style(capture_style: object, where: str) -> str:
             f"{list(CAPTURE_STYLES)}."
         )
     return str(capture_style)
+
+
+def check_preconditionable_projection(proj: dict | None, entry: str, where: str) -> None:
+    """``ValueError`` if projection settings ``proj`` (``projection_kwargs[entry]``) are logra.
+
+    A preconditioned gradient is no longer rank-structured, so it cannot be
+    projected factor-wise; ``style`` defaults to ``"logra"`` when absent.
+    """
+    if proj is not None and proj.get("style", "logra") == "logra":
+        raise ValueError(
+            f"{where}: projection_kwargs[{entry!r}] uses style 'logra' (the default when "
+            "'style' is absent), but a preconditioned gradient is no longer rank-structured; "
+            "use style 'mask' or 'dense' or no projection with preconditioned capture."
+        )
 
 
 def layer_projection(projection_kwargs: dict[str, dict] | None, name: str) -> dict | None:
@@ -678,9 +728,13 @@ def attach_linear_io(
     offload_to_cpu: bool,
     include_frozen: bool,
     non_batch_first: frozenset[str] = frozenset(),
+    preconditioner: Callable[[str, torch.Tensor, dict | None], torch.Tensor] | None = None,
     **capture_kwargs: Any,
 ) -> tuple[dict[str, LayerCapture], list]:
-    """Build a :class:`LayerCapture` per selected layer and register its forward hook."""
+    """Build a :class:`LayerCapture` per selected layer and register its forward hook.
+
+    With a ``preconditioner`` a layer projected with ``"logra"`` → ``ValueError``.
+    """
     check_capture_style(capture_style, "linear_io hooks")
     root = unwrap_model(model)
     projector = DattriProjector.coerce(projector)
@@ -691,6 +745,9 @@ def attach_linear_io(
     ).items():
         layer_type = type_overrides.get(name) or detect_layer_type(module)
         proj = layer_projection(projection_kwargs, name)
+        if preconditioner is not None:
+            entry = name if name in (projection_kwargs or {}) else "__default__"
+            check_preconditionable_projection(proj, entry, f"preconditioned capture of {name!r}")
         if proj is not None and proj.get("style", "logra") == "logra" and is_norm(layer_type):
             raise ValueError(
                 f"Layer {name!r} is a normalization layer ({layer_type}); the 'logra' factor "
@@ -706,6 +763,7 @@ def attach_linear_io(
             projector=projector,
             offload_to_cpu=offload_to_cpu,
             batch_first=name not in non_batch_first,
+            preconditioner=preconditioner,
             **capture_kwargs,
         )
         handles.append(module.register_forward_hook(capture.forward_hook, with_kwargs=True))

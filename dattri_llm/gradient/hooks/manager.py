@@ -17,6 +17,12 @@ dropped whole: no step, no record, no callbacks, its ``param_grad`` sums cleared
 Tied or reused modules are scored per use site: a module invoked k times in a
 step yields virtual layers ``name``, ``name@2``, …, ``name@k`` (forward order);
 cross-site gradient terms are dropped.
+
+With ``optimizer=`` (preconditioned capture) every linear_io layer buffers
+``ops.precondition`` of its dense per-sample gradient on the captured
+coordinates, with the optimizer's pre-step state of those coordinates
+(``optimizer_state.GradientPreconditioner``); ``precondition = False`` turns
+the map off for a pass, which then captures exactly as without an optimizer.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +56,7 @@ from dattri_llm.gradient.hooks.hooks import (
     LayerCapture,
     ParamGradCapture,
     attach_linear_io,
+    check_preconditionable_projection,
     install_invasive_forward,
     owns_trainable_params,
     remove_hooks,
@@ -57,6 +64,12 @@ from dattri_llm.gradient.hooks.hooks import (
 )
 from dattri_llm.gradient.ops.projection import DattriProjector
 from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
+from dattri_llm.gradient.optimizer_state import (
+    GradientPreconditioner,
+    OptimizerLike,
+    OptimizerSnapshot,
+    optimizer_type,
+)
 from dattri_llm.utils.autograd import queue_backward_end_callback
 from dattri_llm.utils.distributed import all_reduce_sum, dist_world_size
 from dattri_llm.utils.hashing import hash_batch
@@ -150,8 +163,16 @@ class HookManager:
     training code; each backward inside is one capture step whose
     :class:`GradientRecord` goes to every callback's ``on_step_end``.
 
-    ``optimizer`` (preconditioned capture) is not implemented yet: passing one
-    raises ``NotImplementedError``.
+    ``optimizer`` (an optimizer, or a zero-argument callable returning one,
+    called on first use) enables preconditioned capture (``capture.md`` §5):
+    each hooked layer buffers the dense ``(B, k)`` ``ops.precondition`` map of
+    its per-sample gradient on the captured coordinates (whole layer; the mask
+    subset under ``"mask"``; the whole layer before a ``"dense"`` projection,
+    applied after the map), read against the optimizer's current state with
+    ``step = state["step"] + 1`` and the group hyperparameters. ``param_grad``
+    layers and ``"logra"`` projections are refused (``ValueError``) and the
+    capture style is ignored (captures are dense). :attr:`precondition`
+    switches the map per pass. Single process (DDP / FSDP are not covered yet).
     """
 
     def __init__(
@@ -163,10 +184,8 @@ class HookManager:
         sample_hash_fields: Iterable[str | int] | str | int | None = None,
         non_batch_first_layers: Iterable[str] | None = None,
         offload_to_cpu: bool = False,
-        optimizer: torch.optim.Optimizer | Callable[[], torch.optim.Optimizer] | None = None,
+        optimizer: OptimizerLike | None = None,
     ) -> None:
-        if optimizer is not None:
-            raise NotImplementedError("preconditioned capture is not implemented yet")
         if config is not None and not isinstance(config, HookManagerConfig):
             raise TypeError(
                 f"HookManager config must be a HookManagerConfig, got {type(config).__name__}."
@@ -193,6 +212,9 @@ class HookManager:
         self._warned_missing: set[frozenset[str]] = set()
         self._warned_broadcast: set[str] = set()
         self._projector: Any = None
+        self._snapshot = _optimizer_snapshot(model, optimizer)
+        # Built with the projector in register(), so masks and matrices are the capture's own.
+        self._preconditioner: GradientPreconditioner | None = None
         self.register()
         for callback in self.callbacks:
             self._attach_callback(callback)
@@ -231,21 +253,29 @@ class HookManager:
 
     @property
     def supports_preconditioning(self) -> bool:
-        """Whether the manager was built with an optimizer (never, for now)."""
-        return False
+        """Whether the manager was built with an optimizer (preconditioned capture)."""
+        return self._snapshot is not None
 
     @property
     def precondition(self) -> bool:
-        """Whether captures are mapped through the optimizer preconditioner (always ``False``)."""
-        return False
+        """Whether captures are mapped through the optimizer (default ``True`` with one).
+
+        Settable per pass, e.g. ``False`` for a raw query pass sharing the hooks
+        (captures are then exactly those of a manager without optimizer). Read
+        at each layer's backward, so switch it between steps, not inside one.
+        """
+        return self._preconditioner is not None and self._preconditioner.enabled
 
     @precondition.setter
     def precondition(self, value: bool) -> None:
-        if value:
-            raise ValueError(
-                "precondition=True needs a HookManager built with optimizer=...; "
-                "preconditioned capture is not implemented yet."
-            )
+        if self._preconditioner is None:
+            if value:
+                raise ValueError(
+                    "precondition=True needs a HookManager built with optimizer=... "
+                    "(preconditioned capture); this one has no optimizer."
+                )
+            return
+        self._preconditioner.enabled = bool(value)
 
     # ------------------------------------------------------------------ registration
 
@@ -258,8 +288,12 @@ class HookManager:
         linear = [n for n, f in assignments.items() if f in (LINEAR_IO, INVASIVE_LINEAR_IO)]
         invasive = {n for n, f in assignments.items() if f == INVASIVE_LINEAR_IO}
         param_layers = [n for n, f in assignments.items() if f == PARAM_GRAD]
+        if self._snapshot is not None:
+            self._check_preconditionable(param_layers)
         if self._projector is None:
             self._projector = DattriProjector.coerce(self.config.projector)
+        if self._snapshot is not None and self._preconditioner is None:
+            self._preconditioner = GradientPreconditioner(self._snapshot, self._projector)
         captures, handles = attach_linear_io(
             root,
             linear,
@@ -279,6 +313,7 @@ class HookManager:
             on_orphan=self._note_orphan,
             lock=self._lock,
             decisions=self._decisions,
+            preconditioner=self._preconditioner,
         )
         self._warn_registration(root, linear, captures)
         if not captures and not param_layers:
@@ -311,6 +346,18 @@ class HookManager:
         handles.append(self.model.register_forward_hook(self._root_forward_hook, with_kwargs=True))
         self._reverts = install_invasive_forward(root, self._invasive, self._intervening)
         self._handles = handles
+
+    def _check_preconditionable(self, param_layers: list[str]) -> None:
+        """``ValueError`` for ``param_grad`` layers or ``"logra"`` projections (preconditioning)."""
+        if param_layers:
+            raise ValueError(
+                f"HookManager(optimizer=...) preconditions per-sample gradients, but layers "
+                f"{sorted(param_layers)} are assigned 'param_grad', which captures batch-level "
+                "gradients only. Capture only linear_io layers with an optimizer: "
+                "HookManagerConfig(linear_io=REGISTER_ALL) or hook_types={name: 'linear_io'}."
+            )
+        for entry, proj in (self.config.projection_kwargs or {}).items():
+            check_preconditionable_projection(proj, entry, "HookManager(optimizer=...)")
 
     def _warn_registration(
         self,
@@ -546,6 +593,9 @@ class HookManager:
             callback.on_layer_backward(name, grad_output, layer_type, kwargs)
 
     def _note_forward(self, name: str) -> None:
+        if self.precondition:
+            # Parameter shapes are read here, where FSDP holds the layer unsharded.
+            self._snapshot.bind(name)
         with self._lock:
             self._state.forward_layers.add(name)
 
@@ -784,6 +834,26 @@ class HookManager:
                 batch_size,
             )
         return hash_batch(inputs, batch_size)
+
+
+def _optimizer_snapshot(
+    model: nn.Module, optimizer: OptimizerLike | None
+) -> OptimizerSnapshot | None:
+    """The optimizer-state reader of preconditioned capture (``None`` without optimizer).
+
+    A given optimizer instance is checked now (``NotImplementedError`` for an
+    unsupported type); a callable is resolved on first use.
+    """
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer_type(optimizer)
+    elif not callable(optimizer):
+        raise TypeError(
+            "HookManager optimizer must be a torch.optim.Optimizer or a zero-argument callable "
+            f"returning one, got {type(optimizer).__name__}."
+        )
+    return OptimizerSnapshot(model, optimizer)
 
 
 def _field_key(key: str | int) -> str:

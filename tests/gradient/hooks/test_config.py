@@ -198,7 +198,7 @@ def test_invasive_refuses_callbacks_needing_param_grads():
 
 
 def test_manager_argument_errors():
-    with pytest.raises(NotImplementedError, match="preconditioned capture"):
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         HookManager(Net(), optimizer=object())
     with pytest.raises(ValueError, match="exclusive"):
         HookManager(Net(), sample_id_key="idx", sample_hash_fields=["x"])

@@ -1,15 +1,18 @@
-"""Training-step pieces of `GradientStreamer`: loss check, optimizer, RNG and gradient state.
+"""Training-step pieces of the live sources: batches, loss, records, optimizer, RNG, gradients.
 
-Private to :mod:`dattri_llm.gradient.streaming`; the optimizer construction
-mirrors the Hugging Face ``Trainer`` (no weight decay on biases and 1-D
-parameters). `stash_gradients` / `restore_gradients` set a trajectory's
-gradients aside while a probe runs and hand them back exactly, also when a
-wrapper keeps them in its own buffers (DDP buckets, FSDP flat gradients).
+Private to :mod:`dattri_llm.gradient.streaming` (`GradientStreamer`,
+`ReplayGradientSource`), which re-exports the public helpers `autocast_for`
+and `move_batch`. The optimizer construction mirrors the Hugging Face
+``Trainer`` (no weight decay on biases and 1-D parameters).
+`stash_gradients` / `restore_gradients` set a trajectory's gradients aside
+while a probe runs and hand them back exactly, also when a wrapper keeps them
+in its own buffers (DDP buckets, FSDP flat gradients).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -17,6 +20,100 @@ from torch import nn
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.arguments import AttributionArguments
+    from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
+    from dattri_llm.gradient.gradient import GradientRecord
+    from dattri_llm.gradient.hooks.manager import HookManager
+
+
+# --------------------------------------------------------------------------- batches and records
+
+
+def autocast_for(args: Any) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` on ``args.device`` for ``args.bf16`` / ``args.fp16``, else a no-op."""
+    if getattr(args, "bf16", False):
+        dtype = torch.bfloat16
+    elif getattr(args, "fp16", False):
+        dtype = torch.float16
+    else:
+        return contextlib.nullcontext()
+    device = torch.device(getattr(args, "device", "cpu"))
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def move_batch(batch: Any, device: torch.device | str) -> Any:
+    """``batch`` with every tensor moved to ``device`` (tensor, mapping, list/tuple; else as is)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        moved = {key: move_batch(value, device) for key, value in batch.items()}
+        return moved if type(batch) is dict else _rebuild_mapping(batch, moved)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(move_batch(value, device) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_batch(value, device) for value in batch)
+    return batch
+
+
+def _rebuild_mapping(original: Mapping, moved: dict) -> Mapping:
+    """A mapping of ``original``'s type holding ``moved`` (plain dict when it cannot be rebuilt)."""
+    try:
+        return type(original)(moved)
+    except TypeError:
+        return moved
+
+
+def take_record(capture: CaptureCallback, step: int, what: str) -> GradientRecord:
+    """The record ``capture`` holds after one forward+backward labelled ``step``; then clear it.
+
+    ``what`` names the pass in errors (``"batch 3"``, ``"replayed step 3"``).
+
+    Raises:
+        RuntimeError: no record (no hooked layer took part in the backward), or a
+            record stamped with another step (the loss ran more than one step).
+    """
+    record, capture.record = capture.record, None
+    if record is None:
+        raise RuntimeError(
+            f"{what} produced no gradient record: no hooked layer took part in the "
+            "backward (check the hook config and that loss_fn calls the model on the batch)"
+        )
+    if record.step != step:
+        raise RuntimeError(
+            f"step desync: the capture record of {what} is stamped step {record.step}; "
+            "loss_fn must run exactly one forward+backward step per batch"
+        )
+    return record
+
+
+def record_identifiers(record: GradientRecord) -> list[str]:
+    """The record's per-sample identifiers as a list (a single hash becomes ``[hash]``)."""
+    ids = record.input_hash
+    return list(ids) if isinstance(ids, list) else [ids]
+
+
+@contextlib.contextmanager
+def precondition_mode(manager: HookManager, enabled: bool) -> Iterator[None]:
+    """Switch ``manager``'s preconditioned capture to ``enabled`` inside the block.
+
+    The previous setting comes back afterwards, so sources sharing one manager
+    (a preconditioned trajectory and a raw probe) each capture their own way.
+    A manager built without an optimizer is left alone (it captures raw).
+    """
+    if not manager.supports_preconditioning:
+        yield
+        return
+    previous = manager.precondition
+    manager.precondition = enabled
+    try:
+        yield
+    finally:
+        manager.precondition = previous
+
+
+def restore_modes(modes: dict[nn.Module, bool]) -> None:
+    """Put each module back in the train/eval mode recorded in ``modes``."""
+    for module, training in modes.items():
+        module.train(training)
 
 
 def check_loss(loss: object, batch_index: int, role: str = "training") -> torch.Tensor:

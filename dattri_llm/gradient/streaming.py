@@ -4,19 +4,21 @@ A source yields `StreamBatch` es ``(step, block, identifiers)``. Attributors
 branch only on `GradientSource.reusable` (whether a second pass at the same
 parameters is possible). This module holds the protocol, the live
 `GradientStreamer` (forward+backward per batch, frozen or training), the
-store-backed `DiskGradientSource` and `rebatch_blocks` (both defined in
-:mod:`dattri_llm.gradient.datasets`) and the helpers `autocast_for`, `move_batch`. Placing and
-wrapping the streamed model (DDP / FSDP) lives in
+snapshot-backed `ReplayGradientSource` (implemented in
+:mod:`dattri_llm.gradient._replay`), the store-backed `DiskGradientSource` and
+`rebatch_blocks` (both defined in :mod:`dattri_llm.gradient.datasets`) and the
+helpers `autocast_for`, `move_batch` (from :mod:`dattri_llm.gradient._training`).
+Placing and wrapping the streamed model (DDP / FSDP) lives in
 :mod:`dattri_llm.gradient.wrapping`. ``transformers`` is imported only where
 seeding and scheduling need it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
+import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -24,22 +26,30 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from dattri_llm.gradient._replay import ReplayGradientSource, open_snapshots
 from dattri_llm.gradient._training import (
     StashedGradient,
+    autocast_for,
     build_optimizer,
     check_loss,
     clear_probe_gradients,
     decay_parameter_groups,
+    move_batch,
+    precondition_mode,
+    record_identifiers,
     restore_gradients,
+    restore_modes,
     rng_state,
     set_rng_state,
     stash_gradients,
+    take_record,
 )
 from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
 from dattri_llm.gradient.datasets import DiskGradientSource, check_dataset, rebatch_blocks
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.hooks.manager import HookManager
+from dattri_llm.gradient.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.wrapping import (
     _build_auto_wrap_policy as _build_auto_wrap_policy,  # named here by the API contract
 )
@@ -56,6 +66,7 @@ __all__ = [
     "GradientSource",
     "GradientStreamer",
     "LossFn",
+    "ReplayGradientSource",
     "StreamBatch",
     "autocast_for",
     "move_batch",
@@ -82,43 +93,6 @@ class GradientSource(Protocol):
     def reusable(self) -> bool:
         """Whether the source can be iterated again at the same parameters."""
         ...
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def autocast_for(args: Any) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` on ``args.device`` for ``args.bf16`` / ``args.fp16``, else a no-op."""
-    if getattr(args, "bf16", False):
-        dtype = torch.bfloat16
-    elif getattr(args, "fp16", False):
-        dtype = torch.float16
-    else:
-        return contextlib.nullcontext()
-    device = torch.device(getattr(args, "device", "cpu"))
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def move_batch(batch: Any, device: torch.device | str) -> Any:
-    """``batch`` with every tensor moved to ``device`` (tensor, mapping, list/tuple; else as is)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        moved = {key: move_batch(value, device) for key, value in batch.items()}
-        return moved if type(batch) is dict else _rebuild_mapping(batch, moved)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(move_batch(value, device) for value in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_batch(value, device) for value in batch)
-    return batch
-
-
-def _rebuild_mapping(original: Mapping, moved: dict) -> Mapping:
-    """A mapping of ``original``'s type holding ``moved`` (plain dict when it cannot be rebuilt)."""
-    try:
-        return type(original)(moved)
-    except TypeError:
-        return moved
 
 
 # --------------------------------------------------------------------------- live source
@@ -164,8 +138,26 @@ class GradientStreamer:
     Otherwise it is wrapped in ``DistributedDataParallel`` when
     ``args.world_size > 1``. Under FSDP, clipping uses the wrapper's global norm.
 
-    Not implemented in this version: ``precondition=True``, ``snapshots=`` and
-    DeepSpeed (``NotImplementedError``).
+    ``precondition=True`` captures optimizer update directions instead of raw
+    gradients (``ops.precondition`` with the optimizer state before the
+    coming update, see `HookManager`'s ``optimizer=``): the trajectory's own
+    optimizer, or the ``optimizer=`` given to a frozen probe (``ValueError``
+    without one). An owned manager is built with that optimizer; a shared
+    ``hook_manager=`` must support preconditioning (``ValueError``). Each batch
+    switches the manager's ``precondition`` to this streamer's setting and back,
+    so a raw probe and a preconditioned trajectory can share hooks.
+
+    ``snapshots=`` (a `TrajectorySnapshots` or a directory path; trajectories
+    only) stores, for every batch index, the parameters its gradients were
+    taken at (micro-batches of one accumulation window point to the window
+    start with ``same_as``) and the batch as the loader produced it, so that a
+    `ReplayGradientSource` over the store recomputes every block. Under
+    ``world_size > 1`` every rank writes its own batches: give each rank its
+    own directory.
+
+    Not supported: DeepSpeed, ``snapshots=`` with FSDP, and ``precondition=True``
+    with an fp16 ``GradScaler`` (an updating fp16 run on GPU; the map is not
+    linear in the loss scale) — each ``NotImplementedError``.
     """
 
     def __init__(
@@ -184,13 +176,14 @@ class GradientStreamer:
         checkpoint_step: int = 0,
         hook_manager: HookManager | None = None,
         precondition: bool = False,
-        snapshots: object | None = None,
+        snapshots: TrajectorySnapshots | str | None = None,
         forward_model: nn.Module | None = None,
         shard: bool = True,
         defer_update: bool = False,
     ) -> None:
-        self._check_options(batch_size, enable_update, precondition, snapshots, args)
+        self._check_options(batch_size, enable_update, precondition, optimizer, snapshots, args)
         check_dataset(dataset, "the GradientStreamer dataset")
+        self._snapshots = None if snapshots is None else open_snapshots(snapshots)
         self._args = args
         self._model = model
         self.enable_update = enable_update
@@ -201,6 +194,7 @@ class GradientStreamer:
         self._param_groups = decay_parameter_groups(model, args.weight_decay)
         self._scheduler = scheduler
         self._checkpoint_step = checkpoint_step
+        self._precondition = precondition
         self._manager, self._owns_manager = self._resolve_manager(
             model, config, hook_manager, forward_model, args
         )
@@ -235,7 +229,8 @@ class GradientStreamer:
         batch_size: int,
         enable_update: bool,
         precondition: bool,
-        snapshots: object | None,
+        optimizer: torch.optim.Optimizer | None,
+        snapshots: TrajectorySnapshots | str | os.PathLike | None,
         args: AttributionArguments,
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -244,23 +239,29 @@ class GradientStreamer:
             raise ValueError(
                 "snapshots= records a training trajectory and needs enable_update=True"
             )
-        if snapshots is not None:
+        if snapshots is not None and args.fsdp:
             raise NotImplementedError(
-                "GradientStreamer(snapshots=...) is not implemented in this version; capture "
-                "parameters with ParameterSnapshotCallback from your own loop instead"
+                f"GradientStreamer(snapshots=...) does not support FSDP (args.fsdp={args.fsdp!r}): "
+                "each rank holds only a shard of the parameters; unset args.fsdp to record "
+                "snapshots"
             )
-        if precondition:
+        if precondition and not enable_update and optimizer is None:
+            raise ValueError(
+                "precondition=True on a frozen probe needs optimizer= (the optimizer whose state "
+                "preconditions the captured gradients); pass it, or set precondition=False"
+            )
+        if precondition and enable_update and args.fp16 and _is_cuda(args):
             raise NotImplementedError(
-                "GradientStreamer(precondition=True) is not implemented in this version; build "
-                "HookManager(model, optimizer=...) around your own loop for preconditioned capture"
+                "precondition=True is not supported with fp16 loss scaling (an updating fp16 "
+                "run on GPU): the optimizer map is not linear in the loss scale; use bf16"
             )
         if args.deepspeed:
             raise NotImplementedError(
                 "GradientStreamer does not support DeepSpeed; unset args.deepspeed"
             )
 
-    @staticmethod
     def _resolve_manager(
+        self,
         model: nn.Module,
         config: HookManagerConfig | None,
         hook_manager: HookManager | None,
@@ -273,10 +274,26 @@ class GradientStreamer:
                     "sharing hook_manager= under world_size>1 needs forward_model= (the wrapper "
                     "the owning streamer built); pass other.forward_model"
                 )
+            if self._precondition and not hook_manager.supports_preconditioning:
+                raise ValueError(
+                    "precondition=True with a shared hook_manager= needs a manager that supports "
+                    "preconditioning: build it with HookManager(model, optimizer=...), or let the "
+                    "streamer build its own"
+                )
             return hook_manager, False
         if config is None:
             config = HookManagerConfig(linear_io=REGISTER_ALL)
-        return HookManager(model, config=config, callbacks=[CaptureCallback()]), True
+        # A trajectory's optimizer may be built from args on first use: hand the manager a
+        # callable it resolves then (capture.md: a callable optimizer is resolved on first use).
+        optimizer = self._capture_optimizer if self._precondition else None
+        manager = HookManager(
+            model, config=config, callbacks=[CaptureCallback()], optimizer=optimizer
+        )
+        return manager, True
+
+    def _capture_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose pre-step state preconditions the captures (`optimizer`)."""
+        return self.optimizer
 
     @staticmethod
     def _enable_gradient_checkpointing(model: nn.Module, args: AttributionArguments) -> None:
@@ -464,7 +481,7 @@ class GradientStreamer:
         params = list(self._model.parameters())
         with ExitStack() as restore:  # every restore runs even if an earlier one raises
             restore.callback(set_rng_state, rng_state())
-            restore.callback(_restore_modes, {m: m.training for m in self._model.modules()})
+            restore.callback(restore_modes, {m: m.training for m in self._model.modules()})
             stash = stash_gradients(params)
             restore.callback(restore_gradients, stash)
             self._model.eval()
@@ -500,8 +517,10 @@ class GradientStreamer:
         self._apply_pending_update()
 
     def _trajectory_batch(self, index: int, batch: object, window: int, last: int) -> StreamBatch:
-        """Run one training batch; step (or defer) the update at a window end."""
+        """Run one training batch (and snapshot it); step (or defer) the update at a window end."""
         block, ids = self._run_batch(index, batch, loss_divisor=window)
+        if self._snapshots is not None:
+            self._save_snapshot(index, batch, window)
         if (index + 1) % window == 0 or index == last:
             if self.defer_update:
                 self._pending_update = True
@@ -509,36 +528,37 @@ class GradientStreamer:
                 self._apply_update()
         return index, block, ids
 
+    def _save_snapshot(self, index: int, batch: object, window: int) -> None:
+        """Store batch ``index`` and the parameters its gradients were taken at.
+
+        Called after the batch's backward and before any update, so the model
+        holds those parameters; later micro-batches of an accumulation window
+        point to the window start (``same_as``) instead of copying them again.
+        """
+        start = index - index % window
+        same_as = None if index == start else start
+        self._snapshots.save_parameters(index, self._model, same_as=same_as)
+        self._snapshots.save_batch(index, batch)
+
     def _run_batch(self, index: int, batch: object, loss_divisor: int) -> tuple[Gradient, list]:
         """Forward + backward one batch under the hooks; return its captured block and ids."""
         batch = move_batch(batch, torch.device(self._args.device))
         self._manager.reset_steps(index)
         self._capture.record = None
-        with autocast_for(self._args):
-            loss = check_loss(self._loss_fn(self._forward_model, batch), index, self.role)
-        if loss_divisor > 1:
-            loss = loss / loss_divisor
-        if self._scaler is not None:
-            self._scaler.scale(loss).backward()
-        else:
-            loss.backward()
-        record = self._capture.record
-        if record is None:
-            raise RuntimeError(
-                f"batch {index} produced no gradient record: no hooked layer took part in the "
-                "backward (check the hook config and that loss_fn calls the model on the batch)"
-            )
-        if record.step != index:
-            raise RuntimeError(
-                f"step desync: the capture record of batch {index} is stamped step "
-                f"{record.step}; loss_fn must run exactly one forward+backward step per batch"
-            )
-        self._capture.record = None
+        with precondition_mode(self._manager, self._precondition):
+            with autocast_for(self._args):
+                loss = check_loss(self._loss_fn(self._forward_model, batch), index, self.role)
+            if loss_divisor > 1:
+                loss = loss / loss_divisor
+            if self._scaler is not None:
+                self._scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        record = take_record(self._capture, index, f"batch {index}")
         block = record.gradient
         if self._scaler is not None:
             block = unscale_gradient(block, float(self._scaler.get_scale()))
-        ids = record.input_hash
-        return block, list(ids) if isinstance(ids, list) else [ids]
+        return block, record_identifiers(record)
 
     def _apply_pending_update(self) -> None:
         if self._pending_update:
@@ -570,10 +590,9 @@ class GradientStreamer:
         nn.utils.clip_grad_norm_(trainable, max_norm)
 
 
-def _restore_modes(modes: dict[nn.Module, bool]) -> None:
-    """Put each module back in the train/eval mode recorded in ``modes``."""
-    for module, training in modes.items():
-        module.train(training)
+def _is_cuda(args: AttributionArguments) -> bool:
+    """Whether ``args.device`` is a CUDA device."""
+    return torch.device(args.device).type == "cuda"
 
 
 def _find_capture_callback(manager: HookManager) -> CaptureCallback | None:

@@ -11,8 +11,10 @@ from torch import nn
 
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
+from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.hooks.manager import HookManager
+from dattri_llm.gradient.ops.optimizer import precondition
 from dattri_llm.gradient.streaming import GradientStreamer
 from dattri_llm.gradient.wrapping import fsdp_wrap_kwargs, unscale_gradient
 from dattri_llm.utils.hashing import hash_sample
@@ -487,13 +489,8 @@ def test_optimizer_property(tmp_path):
     ("kwargs", "error", "match"),
     [
         ({"batch_size": 0}, ValueError, "batch_size"),
-        ({"batch_size": 2, "precondition": True}, NotImplementedError, "precondition"),
+        ({"batch_size": 2, "precondition": True}, ValueError, "needs optimizer="),
         ({"batch_size": 2, "snapshots": "snaps"}, ValueError, "enable_update"),
-        (
-            {"batch_size": 2, "snapshots": "snaps", "enable_update": True},
-            NotImplementedError,
-            "snapshots",
-        ),
     ],
 )
 def test_invalid_options(tmp_path, kwargs, error, match):
@@ -949,3 +946,153 @@ def test_fsdp_trajectory_steps_on_the_rank_mean_with_global_clipping(fsdp_runs):
     for saved in ranks:
         for name, param in net.named_parameters():
             torch.testing.assert_close(saved["params"][name], param, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ preconditioned capture
+
+
+def layer_state(opt: torch.optim.Optimizer, net: nn.Module, name: str) -> tuple[dict, int]:
+    """A layer's AdamW moments in the materialize layout ``[W | b]`` flattened, and its step."""
+    layer = net.get_submodule(name)
+    weight, bias = opt.state.get(layer.weight, {}), opt.state.get(layer.bias, {})
+    state = {
+        key: torch.cat([weight[key], bias[key][:, None]], dim=1).flatten()
+        for key in ("exp_avg", "exp_avg_sq")
+        if key in weight
+    }
+    return state, int(weight.get("step", 0))
+
+
+def preconditioned_reference(net, opt, rows) -> dict[str, torch.Tensor]:
+    """``ops.precondition`` of the torch.func per-sample gradients with ``opt``'s current state."""
+    group = opt.param_groups[0]
+    raw = flat_reference(net, rows)
+    out = {}
+    for name in LAYERS:
+        state, step = layer_state(opt, net, name)
+        out[name] = precondition(
+            raw[name],
+            state,
+            optimizer_type="AdamW",
+            step=step + 1,
+            betas=group["betas"],
+            eps=group["eps"],
+        )
+    return out
+
+
+def train_a_few_steps(net: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(steps):
+        opt.zero_grad()
+        sum_loss(
+            net, {"x": torch.randn(4, 3, generator=gen), "y": torch.randn(4, 2, generator=gen)}
+        ).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("warm_steps", [0, 3])
+def test_probe_precondition_maps_with_the_given_optimizer(tmp_path, warm_steps):
+    net, data = make_net(), make_data()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05, betas=(0.8, 0.95), eps=1e-6)
+    train_a_few_steps(net, opt, warm_steps)
+    ref_net = copy.deepcopy(net)
+    ref_opt = torch.optim.AdamW(ref_net.parameters(), lr=0.05, betas=(0.8, 0.95), eps=1e-6)
+    ref_opt.load_state_dict(opt.state_dict())
+    streamer = GradientStreamer(
+        net,
+        data,
+        make_args(tmp_path),
+        batch_size=4,
+        loss_fn=sum_loss,
+        optimizer=opt,
+        precondition=True,
+    )
+    with streamer:
+        blocks = list(streamer)
+    start = 0
+    for _, block, ids in blocks:
+        rows = data[start : start + len(ids)]
+        start += len(ids)
+        expected = preconditioned_reference(ref_net, ref_opt, rows)
+        got = materialized(block)
+        for name in LAYERS:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_trajectory_precondition_uses_the_state_before_each_update(tmp_path):
+    net, data = make_net(), make_data()
+    ref_net = copy.deepcopy(net)
+    args = make_args(
+        tmp_path, learning_rate=0.05, weight_decay=0.1, lr_scheduler_type="constant", data_seed=2
+    )
+    streamer = GradientStreamer(
+        net, data, args, batch_size=2, loss_fn=sum_loss, enable_update=True, precondition=True
+    )
+    rows = index_of(data)
+    with streamer:
+        blocks = [(materialized(block), [rows[i] for i in ids]) for _, block, ids in streamer]
+    assert len(blocks) == 5
+    # A hand-written AdamW loop over the same batches: the expectation before its t-th update.
+    decay = [p for p in ref_net.parameters() if p.ndim >= 2]
+    no_decay = [p for p in ref_net.parameters() if p.ndim < 2]
+    ref_opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=0.05,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+    )
+    for got, order in blocks:
+        batch = [data[i] for i in order]
+        expected = preconditioned_reference(ref_net, ref_opt, batch)
+        for name in LAYERS:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+        ref_opt.zero_grad(set_to_none=True)
+        stacked = {k: torch.stack([r[k] for r in batch]) for k in ("x", "y")}
+        sum_loss(ref_net, stacked).backward()
+        nn.utils.clip_grad_norm_(list(ref_net.parameters()), args.max_grad_norm)
+        ref_opt.step()
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_raw_probe_shares_a_preconditioned_trajectorys_hooks(tmp_path):
+    net, data = make_net(), make_data()
+    ref_net = copy.deepcopy(net)
+    args = make_args(tmp_path, optim="adamw")
+    train = GradientStreamer(
+        net, data, args, batch_size=5, loss_fn=sum_loss, enable_update=True, precondition=True
+    )
+    probe = GradientStreamer(
+        net, data[:4], args, batch_size=4, loss_fn=sum_loss, hook_manager=train.hook_manager
+    )
+    assert train.hook_manager.supports_preconditioning
+    with train, probe:
+        iterator = iter(train)
+        next(iterator)  # one update taken: the optimizer now has state
+        ((_, block, _),) = list(probe)
+        ref_net.load_state_dict(net.state_dict())
+        expected = flat_reference(ref_net, data[:4])
+        for name in LAYERS:
+            torch.testing.assert_close(materialized(block)[name], expected[name])
+        assert train.hook_manager.precondition  # the probe switched it back after its batch
+        list(iterator)
+
+
+def test_precondition_needs_a_preconditioning_shared_manager(tmp_path):
+    net = make_net()
+    manager = HookManager(
+        net, config=HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[CaptureCallback()]
+    )
+    with pytest.raises(ValueError, match="supports preconditioning"):
+        GradientStreamer(
+            net,
+            make_data(),
+            make_args(tmp_path),
+            batch_size=2,
+            loss_fn=sum_loss,
+            hook_manager=manager,
+            optimizer=torch.optim.AdamW(net.parameters()),
+            precondition=True,
+        )
+    manager.remove()

@@ -37,6 +37,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "GradientStreamer": "dattri_llm.gradient.streaming",
     "DiskGradientSource": "dattri_llm.gradient.streaming",
+    "ReplayGradientSource": "dattri_llm.gradient.streaming",
     "AttributionArguments": "dattri_llm.attribution.arguments",
     "AttributionTask": "dattri_llm.task",
     "AttributionScore": "dattri_llm.attribution.score",
@@ -46,6 +47,8 @@ _LAZY: dict[str, str] = {
     "KroneckerAttributor": "dattri_llm.attribution",
     "KFACAttributor": "dattri_llm.attribution",
     "EKFACAttributor": "dattri_llm.attribution",
+    "LESSAttributor": "dattri_llm.attribution",
+    "TrajectoryAttributor": "dattri_llm.attribution",
 }
 
 __all__ = [

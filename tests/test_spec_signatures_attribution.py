@@ -1,4 +1,4 @@
-"""Exact public signatures of the attribution tier, transcribed by hand from attribution.md §1–7.
+"""Exact public signatures of the attribution tier, transcribed by hand from attribution.md §1–9.
 
 Each expected signature is written as the contract spells it (parameter names,
 order, kinds and defaults; annotations are not compared). A signature is
@@ -19,7 +19,9 @@ from dattri_llm.attribution.algorithm.kronecker import (
     KFACAttributor,
     KroneckerAttributor,
 )
+from dattri_llm.attribution.algorithm.less import LESSAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+from dattri_llm.attribution.algorithm.trajectory import TrajectoryAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import (
     ATTRIBUTION_GRANULARITIES,
@@ -247,7 +249,14 @@ INNER_PRODUCT_METHODS = {
 
 
 @pytest.mark.parametrize(
-    "cls", [BaseInnerProductAttributor, TracInAttributor, KFACAttributor, EKFACAttributor]
+    "cls",
+    [
+        BaseInnerProductAttributor,
+        TracInAttributor,
+        KFACAttributor,
+        EKFACAttributor,
+        TrajectoryAttributor,
+    ],
 )
 def test_inner_product_extension_hooks(cls):
     """The base's extension hooks keep their contract signatures in every subclass."""
@@ -370,3 +379,60 @@ def test_ekfac_signatures():
         EKFACAttributor,
         {"__init__": "(self, args, *, task=None, mode='exact')", **KRONECKER_ENTRY_POINTS},
     )
+
+
+# ---------------------------------------------------------------------------- §8 LESS
+def test_less_signatures():
+    assert LESSAttributor.algorithm == "LESS"
+    assert issubclass(LESSAttributor, BaseInnerProductAttributor)
+    check(
+        LESSAttributor,
+        {
+            "__init__": "(self, args, *, task=None, optimizers=None, checkpoint_weights=None)",
+            "attribute": "(self, train_dataset, test_dataset, *, hook_config=None, verbose=False, "
+            "loop_over_test=False, enable_update=False, gradient_cache_residency=None, "
+            "attribution_granularity='instance')",
+            "attribute_from_cache": "(self, train_source, test_source, *, "
+            "checkpoint_weight=None, learning_rates=None, algorithm_meta=None, **kwargs)",
+            "cache": "(self, train_dataset, test_dataset, *, enable_update=False, **kwargs)",
+            "generate_train_rep": "(self, train_dataset, *, checkpoint_step=0, "
+            "enable_update=False, hook_config=None)",
+        },
+    )
+
+
+# ---------------------------------------------------------------------------- §9 Trajectory
+def test_trajectory_signatures():
+    assert TrajectoryAttributor.algorithm == "Trajectory"
+    check(
+        TrajectoryAttributor,
+        {
+            "__init__": "(self, args, *, task=None)",
+            "checkpoints": "(self)",
+            "cache": "(self, train_dataset, test_dataset, *, cache_dir=None, hook_config=None, "
+            "offload_interval=1)",
+            "collect_trajectory": "(self, train_target, test_store, train_dataset, test_dataset, "
+            "*, hook_config=None, offload_interval=1)",
+            "trajectory_callbacks": "(self, model, streamer, snapshots)",
+            "on_trajectory_block": "(self)",
+            "finish_trajectory": "(self, train_target)",
+            "open_train_source": "(self, train_source, *, steps=None, layer_name=None, "
+            "hook_config=None, verbose=False)",
+            "validate_propagation": "(propagation, loop_over_test)",
+            "resolve_steps": "(available, selected, final_step)",
+        },
+    )
+    check_properties(TrajectoryAttributor, ["recompute"])
+    for name in ("validate_propagation", "resolve_steps"):
+        assert isinstance(inspect.getattr_static(TrajectoryAttributor, name), staticmethod)
+    for name in (
+        "train_dir_of",
+        "available_steps",
+        "recorded_lr_of",
+        "close_source",
+        "source_meta",
+        "steps_bar",
+        "collect_test_matrix",
+        "test_column_order",
+    ):
+        assert callable(getattr(TrajectoryAttributor, name))

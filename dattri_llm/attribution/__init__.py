@@ -4,7 +4,9 @@ from dattri_llm.attribution.algorithm import (
     EKFACAttributor,
     KFACAttributor,
     KroneckerAttributor,
+    LESSAttributor,
     TracInAttributor,
+    TrajectoryAttributor,
 )
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor, BaseInnerProductAttributor
@@ -18,5 +20,7 @@ __all__ = [
     "EKFACAttributor",
     "KFACAttributor",
     "KroneckerAttributor",
+    "LESSAttributor",
     "TracInAttributor",
+    "TrajectoryAttributor",
 ]

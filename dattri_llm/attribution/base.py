@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -146,6 +146,17 @@ class BaseInnerProductAttributor(BaseAttributor):
         """Checkpoint indices ensembled by :meth:`attribute` (all)."""
         return list(range(self.num_checkpoints()))
 
+    def _first_checkpoint_only(self) -> list[int]:
+        """``[0]`` for single-checkpoint methods (``UserWarning`` if the task has more)."""
+        if self.num_checkpoints() > 1:
+            warnings.warn(
+                f"{type(self).__name__} uses the first checkpoint only; the task has "
+                f"{self.num_checkpoints()} and the others are ignored.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return [0]
+
     def train_loss_fn(self) -> Callable[[nn.Module, object], torch.Tensor]:
         """Train-side objective (the task's ``loss_func``)."""
         return self.require_task("train_loss_fn").loss_func
@@ -166,18 +177,39 @@ class BaseInnerProductAttributor(BaseAttributor):
         forward_model: nn.Module | None = None,
     ) -> GradientStreamer:
         """Live train-side source (batch ``per_device_train_batch_size``, train loss)."""
-        task = self.require_task("generate_train_rep")
+        return self._train_streamer(
+            train_dataset,
+            "generate_train_rep",
+            checkpoint_step=checkpoint_step,
+            enable_update=enable_update,
+            config=hook_config,
+            snapshots=snapshots,
+            forward_model=forward_model,
+        )
+
+    def _train_streamer(
+        self,
+        train_dataset: object,
+        method: str,
+        *,
+        forward_model: nn.Module | None = None,
+        **streamer_options: Any,
+    ) -> GradientStreamer:
+        """A train-side ``GradientStreamer`` over the task model with the train loss.
+
+        ``streamer_options`` go to the streamer (``enable_update``, ``config``,
+        ``optimizer``, ``precondition``, ...); the forward model defaults to the
+        task's wrapper and the batch size is ``per_device_train_batch_size``.
+        """
+        task = self.require_task(method)
         return GradientStreamer(
             task.model,
             train_dataset,
             self.args,
             batch_size=self.args.per_device_train_batch_size,
-            enable_update=enable_update,
             loss_fn=self.train_loss_fn(),
-            config=hook_config,
-            checkpoint_step=checkpoint_step,
-            snapshots=snapshots,
             forward_model=forward_model if forward_model is not None else task.forward_model,
+            **streamer_options,
         )
 
     def generate_test_rep(
@@ -347,6 +379,25 @@ class BaseInnerProductAttributor(BaseAttributor):
         """Test-side transform ``T_test`` (identity)."""
         return block
 
+    def transform_train_step(self, step: int, block: Gradient) -> Gradient:
+        """Per-step train-side transform (identity).
+
+        Applied to each block of the train source, which holds one step, before
+        re-batching and :meth:`transform_train_rep`; for transforms that depend
+        on the step (e.g. LESS's learning-rate weights).
+        """
+        return block
+
+    def _train_steps_transformed(
+        self, source: Iterable[tuple[int, Gradient, list[str]]]
+    ) -> Iterator[tuple[int, Gradient, list[str]]]:
+        """``source`` with :meth:`transform_train_step` applied to each block."""
+        for step, block, ids in source:
+            item = (step, self.transform_train_step(step, block), ids)
+            del block
+            yield item
+            del item
+
     def inner_product(
         self, train_rep: Gradient, test_rep: Gradient, *, dense_cache: TensorCache | None = None
     ) -> torch.Tensor:
@@ -409,7 +460,9 @@ class BaseInnerProductAttributor(BaseAttributor):
         )
         total = len(train_source) if hasattr(train_source, "__len__") else None
         result = attribution_utils.score_sources(
-            self.progress(checks.train_source(train_source), total=total),
+            self.progress(
+                self._train_steps_transformed(checks.train_source(train_source)), total=total
+            ),
             checks.test_source(test_source),
             device,
             inner_product=self.inner_product,
@@ -464,11 +517,10 @@ class BaseInnerProductAttributor(BaseAttributor):
 
         Test gradients (every rank streams all queries) are collected before
         the train gradients. ``enable_update=True`` uses the first checkpoint
-        only and records the train side as a trajectory. A store directory
-        that already holds records raises ``ValueError``.
+        only and records the train side as a trajectory, with the learning
+        rate of each step written beside it (``lr_schedule.json``). A store
+        directory that already holds records raises ``ValueError``.
         """
-        from dattri_llm.gradient.storage_manager import GradientStorageManager
-
         _check_dataset(train_dataset, "training")
         _check_dataset(test_dataset, "test")
         root = Path(cache_dir if cache_dir is not None else self.args.output_dir).expanduser()
@@ -476,13 +528,7 @@ class BaseInnerProductAttributor(BaseAttributor):
         for k in self._ensemble(enable_update):
             train_dir = root / f"ckpt_{k}" / "train_grads"
             test_dir = root / f"ckpt_{k}" / "test_grads"
-            stores = [GradientStorageManager(str(d)) for d in (train_dir, test_dir)]
-            for store in stores:
-                if store.index:
-                    raise ValueError(
-                        f"gradient cache {store.save_dir} already holds records; remove it or "
-                        "choose another cache_dir"
-                    )
+            stores = [fresh_store(d) for d in (train_dir, test_dir)]
             self.load_checkpoint(k)
             self._collect_checkpoint(
                 k,
@@ -535,6 +581,8 @@ class BaseInnerProductAttributor(BaseAttributor):
             self.collect_gradients(train, train_store, on_block=on_train_block)
         finally:
             self._forget_loaded_checkpoint(enable_update)
+        if enable_update and self.args.should_log:
+            attribution_utils.write_lr_schedule(train_store.save_dir, train.learning_rates)
         return layers
 
     def _forget_loaded_checkpoint(self, enable_update: bool) -> None:
@@ -766,6 +814,19 @@ class BaseInnerProductAttributor(BaseAttributor):
             layer_name=layers if layers is not None else list(self.scored_layers),
             row_token_ids=row_tokens,
         )
+
+
+def fresh_store(path: str | Path) -> GradientStorageManager:
+    """A disk store on ``path`` for a new collection; ``ValueError`` if it already holds records."""
+    from dattri_llm.gradient.storage_manager import GradientStorageManager
+
+    store = GradientStorageManager(str(path))
+    if store.index:
+        raise ValueError(
+            f"gradient cache {store.save_dir} already holds records; remove it or choose "
+            "another cache_dir"
+        )
+    return store
 
 
 def _require_records(store: GradientStorageManager, side: str) -> None:

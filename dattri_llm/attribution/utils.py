@@ -25,6 +25,7 @@ import torch
 from dattri_llm.gradient.async_writer import AsyncGradientWriter
 from dattri_llm.gradient.gradient import GradientRecord
 from dattri_llm.gradient.streaming import rebatch_blocks
+from dattri_llm.utils.atomic import atomic_write
 from dattri_llm.utils.cache import CacheBudget, TensorCache
 
 if TYPE_CHECKING:
@@ -115,10 +116,7 @@ def write_lr_schedule(dir: str | Path, lrs: Mapping[int, float]) -> Path:  # noq
     path = Path(dir) / LR_SCHEDULE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {str(int(step)): float(lr) for step, lr in sorted(lrs.items())}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload), encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return atomic_write(path, lambda fh: fh.write(json.dumps(payload).encode("utf-8")))
 
 
 def read_lr_schedule(dir: str | Path) -> dict[int, float] | None:  # noqa: A002

@@ -1,0 +1,395 @@
+"""Shared base of the trajectory methods (DVEmb, AdamW-influence).
+
+A trajectory method trains once from checkpoint 0 and scores every training
+step ``t`` of that run against queries taken at the final parameters ``θ_T``.
+:class:`TrajectoryAttributor` collects the run (per-step gradients into a
+store, or, with ``args.recompute_gradients``, per-step parameter snapshots
+from which a ``ReplayGradientSource`` recomputes them) together with its
+learning-rate schedule, and offers the helpers the sweeps share: step
+resolution, source opening and closing, query matrices. Rows are emitted
+latest step first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from dattri_llm.attribution import utils as attribution_utils
+from dattri_llm.attribution.base import BaseInnerProductAttributor, _check_dataset, fresh_store
+from dattri_llm.gradient.datasets import DiskGradientSource
+from dattri_llm.gradient.snapshots import TrajectorySnapshots
+from dattri_llm.gradient.storage_manager import GradientStorageManager
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from dattri_llm.attribution.arguments import AttributionArguments
+    from dattri_llm.gradient.callbacks import HookManagerCallback
+    from dattri_llm.gradient.hooks.config import HookManagerConfig
+    from dattri_llm.gradient.streaming import GradientSource, GradientStreamer
+
+PROPAGATIONS = ("train", "test")
+TRAIN_GRADS_DIR = "train_grads"
+TRAIN_SNAPSHOTS_DIR = "train_snapshots"
+TEST_GRADS_DIR = "test_grads"
+
+
+class TrajectoryAttributor(BaseInnerProductAttributor):
+    """Base of the trajectory methods (``algorithm="Trajectory"``); one checkpoint.
+
+    Subclass hooks: :meth:`trajectory_callbacks` (extra capture callbacks for
+    the training run), :meth:`on_trajectory_block` (after each block's
+    update) and :meth:`finish_trajectory` (after the run).
+    """
+
+    algorithm: ClassVar[str] = "Trajectory"
+
+    def __init__(self, args: AttributionArguments, *, task: object | None = None) -> None:
+        super().__init__(args, task=task)
+
+    def checkpoints(self) -> list[int]:
+        """``[0]``: the run starts at the first checkpoint (``UserWarning`` if there are more)."""
+        return self._first_checkpoint_only()
+
+    @property
+    def recompute(self) -> bool:
+        """Whether the run stores parameter snapshots instead of gradients."""
+        return bool(self.args.recompute_gradients)
+
+    # ------------------------------------------------------------------ collection
+    def cache(
+        self,
+        train_dataset: object,
+        test_dataset: object,
+        *,
+        cache_dir: str | None = None,
+        hook_config: HookManagerConfig | None = None,
+        offload_interval: int = 1,
+    ) -> list[tuple[str, str]]:
+        """Train from checkpoint 0, recording the run; then collect the queries at ``θ_T``.
+
+        The run goes to ``<cache_dir>/train_grads`` (``train_snapshots`` when
+        :attr:`recompute`) with ``lr_schedule.json`` beside it; the queries to
+        ``<cache_dir>/test_grads`` (``cache_dir`` default ``args.output_dir``).
+
+        Raises:
+            ValueError: an empty dataset; a target directory already holding
+                records or snapshots.
+        """
+        _check_dataset(train_dataset, "training")
+        _check_dataset(test_dataset, "test")
+        root = Path(cache_dir if cache_dir is not None else self.args.output_dir).expanduser()
+        test_dir = root / TEST_GRADS_DIR
+        if self.recompute:
+            train_dir = root / TRAIN_SNAPSHOTS_DIR
+            train_target: TrajectorySnapshots | GradientStorageManager = _fresh_snapshots(train_dir)
+        else:
+            train_dir = root / TRAIN_GRADS_DIR
+            train_target = fresh_store(train_dir)
+        test_store = fresh_store(test_dir)
+        self.load_checkpoint(self.checkpoints()[0])
+        lrs = self.collect_trajectory(
+            train_target,
+            test_store,
+            train_dataset,
+            test_dataset,
+            hook_config=hook_config,
+            offload_interval=offload_interval,
+        )
+        if self.args.should_log:
+            attribution_utils.write_lr_schedule(train_dir, lrs)
+        return [(str(train_dir), str(test_dir))]
+
+    def collect_trajectory(
+        self,
+        train_target: GradientStorageManager | TrajectorySnapshots,
+        test_store: GradientStorageManager,
+        train_dataset: object,
+        test_dataset: object,
+        *,
+        hook_config: HookManagerConfig | None = None,
+        offload_interval: int = 1,
+    ) -> dict[int, float]:
+        """Record the run into ``train_target``, then the queries at ``θ_T`` into ``test_store``.
+
+        A store receives every step's gradients (in groups of
+        ``offload_interval`` records); ``TrajectorySnapshots`` receive each
+        step's parameters and batch instead. The queries are labelled with the
+        final step ``T`` (last step + 1). Returns ``{step: lr}``, the learning
+        rate applied at each step.
+        """
+        snapshots = train_target if isinstance(train_target, TrajectorySnapshots) else None
+        streamer = self.generate_train_rep(
+            train_dataset, enable_update=True, hook_config=hook_config, snapshots=snapshots
+        )
+        for callback in self.trajectory_callbacks(streamer.model, streamer, snapshots):
+            streamer.hook_manager.add_callback(callback)
+        self._hooked_layers = list(streamer.hook_manager.layer_names)
+        try:
+            if snapshots is None:
+                self.collect_gradients(
+                    streamer,
+                    train_target,
+                    offload_interval=offload_interval,
+                    on_block=lambda step, block, ids: self.on_trajectory_block(),
+                )
+            else:
+                _run_without_storing(streamer, self.on_trajectory_block)
+            self.finish_trajectory(train_target)
+        finally:
+            self._forget_loaded_checkpoint(True)
+        lrs = streamer.learning_rates
+        final_step = max(lrs, default=-1) + 1
+        test = self.generate_test_rep(
+            test_dataset, checkpoint_step=final_step, hook_config=hook_config, shard=False
+        )
+        self.collect_gradients(test, test_store)
+        return lrs
+
+    # ------------------------------------------------------------------ subclass hooks
+    def trajectory_callbacks(
+        self,
+        model: nn.Module,
+        streamer: GradientStreamer,
+        snapshots: TrajectorySnapshots | None,
+    ) -> list[HookManagerCallback]:
+        """Callbacks added to the run's hook manager (none)."""
+        return []
+
+    def on_trajectory_block(self) -> None:
+        """Called after each training block's update (no-op)."""
+
+    def finish_trajectory(self, train_target: GradientStorageManager | TrajectorySnapshots) -> None:
+        """Called once the run is recorded into ``train_target`` (no-op)."""
+
+    # ------------------------------------------------------------------ sources
+    def open_train_source(
+        self,
+        train_source: object,
+        *,
+        steps: Iterable[int] | None = None,
+        layer_name: str | list[str] | None = None,
+        hook_config: HookManagerConfig | None = None,
+        verbose: bool = False,
+    ) -> GradientSource:
+        """The per-step training gradients of a recorded run.
+
+        A gradient store (directory, open store, ``DiskGradientSource``) gives a
+        ``DiskGradientSource``; a snapshot directory or ``TrajectorySnapshots``
+        a ``ReplayGradientSource`` recomputing each step on the task model with
+        the train loss (``hook_config`` its capture config). An open
+        ``ReplayGradientSource`` is restricted to ``steps``.
+
+        Raises:
+            ValueError: snapshots without a task.
+        """
+        from dattri_llm.gradient.streaming import ReplayGradientSource
+
+        desc = f"{self.algorithm} train" if verbose else None
+        if isinstance(train_source, ReplayGradientSource):
+            return train_source if steps is None else train_source.for_steps(steps)
+        snapshots = _as_snapshots(train_source)
+        if snapshots is None:
+            return self.load_train_rep(
+                train_source, steps=steps, layer_name=layer_name, verbose=verbose, desc=desc
+            )
+        task = self.require_task("open_train_source")
+        return ReplayGradientSource(
+            task.model,
+            self.args,
+            snapshots,
+            loss_fn=self.train_loss_fn(),
+            config=hook_config,
+            steps=steps,
+            layer_name=layer_name,
+            desc=desc,
+            verbose=verbose,
+        )
+
+    @staticmethod
+    def train_dir_of(train_source: object) -> Path | None:
+        """Directory holding a run's records (and its ``lr_schedule.json``); ``None`` if unknown."""
+        if isinstance(train_source, (str, Path)):
+            return Path(train_source).expanduser()
+        if isinstance(train_source, TrajectorySnapshots):
+            return train_source.root
+        if isinstance(train_source, GradientStorageManager):
+            return train_source.save_dir
+        if isinstance(train_source, DiskGradientSource):
+            return train_source.file_manager.save_dir
+        snapshots = getattr(train_source, "snapshots", None)
+        if isinstance(snapshots, TrajectorySnapshots):
+            return snapshots.root
+        return None
+
+    @staticmethod
+    def available_steps(train_source: object) -> list[int]:
+        """Ascending steps a run records (its source's steps, a store's or the snapshots')."""
+        snapshots = _as_snapshots(train_source)
+        if snapshots is not None:
+            return snapshots.steps()
+        steps = getattr(train_source, "steps", None)
+        if isinstance(steps, list):
+            return sorted(steps)
+        return BaseInnerProductAttributor.resolve_store(train_source).available_steps()
+
+    @classmethod
+    def recorded_lr_of(cls, train_source: object) -> dict[int, float] | None:
+        """The ``lr_schedule.json`` recorded beside a run (``None`` if there is none)."""
+        directory = cls.train_dir_of(train_source)
+        return None if directory is None else attribution_utils.read_lr_schedule(directory)
+
+    @staticmethod
+    def close_source(source: object) -> None:
+        """Release what an opened train source holds (a replay's hooks and parameters)."""
+        if isinstance(source, (GradientStorageManager, DiskGradientSource)):
+            return
+        close = getattr(source, "close", None)
+        if callable(close):
+            close()
+
+    def source_meta(
+        self, train_source: object, test_store: GradientStorageManager
+    ) -> dict[str, Any]:
+        """``{"train_source": "gradients" | "snapshots", "sample_id_key": {train, test}}``."""
+        replay = _as_snapshots(train_source) is not None or hasattr(train_source, "snapshots")
+        train_key = None if replay else self.resolve_store(train_source).sample_id_key
+        return {
+            "train_source": "snapshots" if replay else "gradients",
+            "sample_id_key": {"train": train_key, "test": test_store.sample_id_key},
+        }
+
+    def steps_bar(self, steps: Iterable[int], desc: str | None = None) -> Iterable[int]:
+        """``steps`` in a tqdm bar when the current call is verbose on rank 0."""
+        if not (self._verbose and self.args.should_log):
+            return steps
+        from tqdm.auto import tqdm
+
+        return tqdm(steps, desc=desc or f"{self.algorithm} steps", unit="step")
+
+    # ------------------------------------------------------------------ queries
+    @staticmethod
+    def test_column_order(test_source: Iterable[tuple[int, Any, list[str]]]) -> list[str]:
+        """Distinct test identifiers (as ``str``) in first-appearance order."""
+        return list(dict.fromkeys(str(i) for _step, _block, ids in test_source for i in ids))
+
+    def collect_test_matrix(
+        self,
+        test_source: GradientSource,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """Dense query gradients ``{layer: (num_test, d)}`` on ``args.device``.
+
+        Columns are the distinct test identifiers in first-appearance order (a
+        repeated identifier keeps its last row); layers are the sorted
+        per-sample layers of the test blocks (``param_grad`` layers dropped).
+
+        Raises:
+            ValueError: the test source yields no block, or blocks disagree on layers.
+        """
+        device = torch.device(self.args.device)
+        rows: dict[str, list[torch.Tensor]] = {}
+        ids: list[str] = []
+        for _step, block, block_ids in test_source:
+            layers = attribution_utils.per_sample_layers(block)
+            dense = block.select_layers(layers).materialize()
+            if rows and set(layers) != set(rows):
+                raise ValueError(
+                    f"test blocks disagree on layers: {sorted(rows)} vs {sorted(layers)}; "
+                    "capture every query with the same hook config"
+                )
+            for name in layers:
+                value = dense.data[name].to(device=device, dtype=dtype)
+                rows.setdefault(name, []).append(value.reshape(value.shape[0], -1))
+            ids.extend(str(i) for i in block_ids)
+        if not ids:
+            raise ValueError("the test set is empty: the test source yielded no block")
+        last = {sample: position for position, sample in enumerate(ids)}
+        order = list(dict.fromkeys(ids))
+        index = torch.tensor([last[sample] for sample in order], device=device)
+        return order, {name: torch.cat(rows[name])[index] for name in sorted(rows)}
+
+    # ------------------------------------------------------------------ static checks
+    @staticmethod
+    def validate_propagation(propagation: str, loop_over_test: bool) -> None:
+        """``ValueError`` for a propagation not in ``("train", "test")``, or ``"train"`` with
+        ``loop_over_test`` (looping over query blocks needs the query-side sweep)."""
+        if propagation not in PROPAGATIONS:
+            raise ValueError(
+                f"propagation must be one of {list(PROPAGATIONS)}, got {propagation!r}"
+            )
+        if propagation == "train" and loop_over_test:
+            raise ValueError(
+                "loop_over_test sweeps once per query block, which needs propagation='test'; "
+                "use propagation='test' or loop_over_test=False"
+            )
+
+    @staticmethod
+    def resolve_steps(
+        available: Iterable[int],
+        selected: Iterable[int] | None,
+        final_step: int | None,
+    ) -> tuple[list[int], list[int], int]:
+        """``(prop_steps, output_steps, final_step)``, step lists latest first.
+
+        ``final_step`` defaults to the last available step + 1; the propagated
+        steps are the available ones before it; the output steps are those
+        among them in ``selected`` (all when ``None``).
+
+        Raises:
+            ValueError: no available step before ``final_step``; a selection
+                matching none of the propagated steps.
+        """
+        steps = sorted({int(s) for s in available})
+        if final_step is None:
+            final_step = steps[-1] + 1 if steps else 0
+        propagated = [s for s in reversed(steps) if s < final_step]
+        if not propagated:
+            raise ValueError(
+                f"no recorded step before final_step={final_step}; recorded steps: {steps}"
+            )
+        if selected is None:
+            return propagated, list(propagated), final_step
+        chosen = {int(s) for s in selected}
+        output = [s for s in propagated if s in chosen]
+        if not output:
+            raise ValueError(
+                f"selected_training_steps {sorted(chosen)} match none of the propagated steps "
+                f"{sorted(propagated)}"
+            )
+        return propagated, output, final_step
+
+
+def _as_snapshots(train_source: object) -> TrajectorySnapshots | None:
+    """``train_source`` as ``TrajectorySnapshots`` when it is one or a snapshot directory."""
+    if isinstance(train_source, TrajectorySnapshots):
+        return train_source
+    if isinstance(train_source, (str, Path)) and TrajectorySnapshots.is_snapshot_dir(
+        Path(train_source).expanduser()
+    ):
+        return TrajectorySnapshots(Path(train_source).expanduser())
+    return None
+
+
+def _fresh_snapshots(path: Path) -> TrajectorySnapshots:
+    """A snapshot store on ``path`` for a new run; ``ValueError`` if it already holds steps."""
+    snapshots = TrajectorySnapshots(path)
+    if snapshots.steps():
+        raise ValueError(
+            f"snapshot directory {path} already holds steps {snapshots.steps()}; remove it or "
+            "choose another cache_dir"
+        )
+    return snapshots
+
+
+def _run_without_storing(streamer: GradientStreamer, after_block: Callable[[], None]) -> None:
+    """Iterate a snapshotting trajectory, discarding the blocks, calling ``after_block()``."""
+    with streamer:
+        for _step, block, _ids in streamer:
+            del block
+            after_block()

@@ -208,3 +208,20 @@ def test_recompute_replays_the_recorded_gradients(tmp_path):
                 )
     finally:
         TrajectoryAttributor.close_source(source)
+
+
+def test_collect_test_matrix_sums_token_axes_of_dense_layers(tmp_path):
+    """A dense ``batch_token`` query layer ``(B, T, d)`` is the sample's gradient summed over T."""
+    from dattri_llm.gradient.gradient import Gradient
+
+    tokens = torch.randn(2, 3, 4)
+    block = Gradient(
+        representation={"lin": "materialized"},
+        data={"lin": tokens},
+        layer_types={"lin": "nn.Linear"},
+        indexing={"lin": "batch_token"},
+    )
+    attributor = TrajectoryAttributor(make_args(tmp_path))
+    ids, matrices = attributor.collect_test_matrix([(0, block, ["a", "b"])])
+    assert ids == ["a", "b"]
+    torch.testing.assert_close(matrices["lin"], tokens.sum(dim=1))

@@ -297,7 +297,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         ids: list[str] = []
         for _step, block, block_ids in test_source:
             layers = attribution_utils.per_sample_layers(block)
-            dense = block.select_layers(layers).materialize()
+            dense = block.select_layers(layers).aggregate().materialize()  # tokens summed
             if rows and set(layers) != set(rows):
                 raise ValueError(
                     f"test blocks disagree on layers: {sorted(rows)} vs {sorted(layers)}; "

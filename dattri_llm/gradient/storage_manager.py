@@ -11,6 +11,7 @@ On-disk layout of a ``"disk"`` store (the reference design's format 2; the write
 directory is ``save_dir``, or ``save_dir/rank_<r>/`` under a process group)::
 
     index_meta.json          {"format": 2, "sample_id_key", "gradient_accumulation_steps"}
+    ranks.json               rank directories only: {"rank": r, "world_size": n}
     projection.json          the declared capture projection (`projection_record`), if any
     index.jsonl              one compact line per group:
                              {"file": handle, "records": [{"idx", "step", "hashes"}, ...]}
@@ -21,6 +22,13 @@ directory is ``save_dir``, or ``save_dir/rank_<r>/`` under a process group)::
 
 Handles (``file`` of the index) are paths relative to ``save_dir``; a memmap
 group's handle is ``<base>.mmap`` (backed by ``.mmap.bin`` + ``.mmap.meta``).
+
+Completeness: a rank directory's ``ranks.json`` records the world size of the
+run that wrote it. Reading a store in which some indexed rank directory
+declares world size ``n`` needs an indexed ``rank_0 .. rank_{n-1}``; a missing
+one makes every read raise `ValueError` naming it (a partial score would be
+silent). Stores without ``ranks.json`` (the reference design's) are read as
+they are.
 
 Crash safety: group files and sidecars are written under a temporary name,
 fsynced and renamed *before* the group's log line is appended (and fsynced),
@@ -56,7 +64,7 @@ from dattri_llm.gradient.ops.projection import DattriProjector
 from dattri_llm.options import CacheResidency, DiskFormat
 from dattri_llm.utils.atomic import atomic_torch_save, atomic_write
 from dattri_llm.utils.cache import CACHE_RESIDENCIES, TensorCache
-from dattri_llm.utils.distributed import dist_rank
+from dattri_llm.utils.distributed import dist_rank, dist_world_size
 from dattri_llm.utils.hashing import hash_sample
 
 __all__ = [
@@ -64,6 +72,7 @@ __all__ = [
     "FORMAT_VERSION",
     "INDEX_FILE",
     "PROJECTION_FILE",
+    "RANKS_FILE",
     "SIDECAR_FILE",
     "TIERED_BUDGET_FRACTION",
     "GradientStorageManager",
@@ -79,6 +88,7 @@ TIERED_BUDGET_FRACTION = 0.5
 INDEX_FILE = "index.jsonl"
 SIDECAR_FILE = "index_meta.json"
 PROJECTION_FILE = "projection.json"
+RANKS_FILE = "ranks.json"
 MMAP_SUFFIX = ".mmap"
 PICKLE_SUFFIX = ".pt"
 _BIN, _META = ".bin", ".meta"
@@ -87,6 +97,7 @@ _ALIGN = 8
 _FALLBACK_HOST_BYTES = 16 * 1024**3
 _BATCH_RE = re.compile(r"^batch_(\d+)\.")
 _RAM_SEQ_RE = re.compile(r"(?:mem|entry)_(\d+)")
+_RANK_DIR_RE = re.compile(r"^rank_(\d+)$")
 _UNSAFE_NAME_CHAR = re.compile(r"[^A-Za-z0-9_.\-]")
 _SAFE_GLOBALS = [GradientRecord, Gradient, Factorized]
 _DEFAULT_PROJECTION = {"style": "logra", "proj_seed": 0, "include_bias": True}
@@ -500,6 +511,29 @@ def _natural_key(text: str) -> tuple:
     return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", text))
 
 
+def _rank_of(directory: Path) -> int | None:
+    """``r`` for a ``rank_<r>`` directory, ``None`` for the root (or another name)."""
+    match = _RANK_DIR_RE.match(directory.name)
+    return None if match is None else int(match.group(1))
+
+
+def _declared_world_size(directory: Path) -> int:
+    """World size recorded in ``directory/ranks.json`` (0 when there is none).
+
+    A file without a positive int ``world_size`` → `ValueError` naming it.
+    """
+    path = directory / RANKS_FILE
+    if not path.exists():
+        return 0
+    world_size = _read_json(path).get("world_size")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"gradient store rank file {path} has world_size={world_size!r}, not a positive "
+            f"int; the file is corrupt. Delete it to read that rank directory as it is."
+        )
+    return world_size
+
+
 @dataclass
 class _GroupInfo:
     """Per record of a group: its step, identifiers and the rows still indexed (live)."""
@@ -612,9 +646,11 @@ class GradientStorageManager:
 
     Saving a (step, identifier) pair that is already indexed replaces the
     earlier occurrence (also one saved by an earlier run into the directory),
-    so re-running a capture never doubles a score. The manager does not decide
-    *when* to save (see `OffloadCallback`). It is not thread-safe; a single
-    `AsyncGradientWriter` thread may own it while open.
+    so re-running a capture never doubles a score. Each rank of a process group
+    records the world size in its ``rank_<r>/ranks.json``; reading a store that
+    lacks one of those ranks' indexed directories → `ValueError` naming it.
+    The manager does not decide *when* to save (see `OffloadCallback`). It is
+    not thread-safe; a single `AsyncGradientWriter` thread may own it while open.
     """
 
     def __init__(
@@ -661,6 +697,8 @@ class GradientStorageManager:
         self._projection: dict[str, dict] | None = None
         self._write_dir: Path | None = None
         self._write_prefix = ""
+        self._missing_ranks: list[int] = []  # rank directories a ranks.json needs, not indexed
+        self._declared_world: tuple[Path, int] | None = None  # (ranks.json, its world size)
         self._next_batch = 0
         self._next_seq = 0
         self._written_meta: dict[str, Any] | None = None
@@ -733,8 +771,10 @@ class GradientStorageManager:
     def index(self) -> dict[str, list[dict[str, Any]]]:
         """Merged live index ``identifier → [{"file", "idx", "step", "sample_idx"}, ...]``.
 
-        The manager's own dict, updated by every save: do not mutate it.
+        The manager's own dict, updated by every save: do not mutate it. A
+        store missing a rank directory its ``ranks.json`` needs → `ValueError`.
         """
+        self._check_complete()
         return self._index
 
     # ----------------------------------------------------------------- lifecycle
@@ -923,6 +963,7 @@ class GradientStorageManager:
                 ],
             },
         )
+        self._missing_ranks = [r for r in self._missing_ranks if f"rank_{r}/" != self._write_prefix]
         return location
 
     def _claim_batch_handle(self, write_dir: Path, suffix: str) -> Path:
@@ -972,6 +1013,8 @@ class GradientStorageManager:
         self._write_prefix = "" if rank is None else f"rank_{rank}/"
         write_dir = self._save_dir if rank is None else self._save_dir / f"rank_{rank}"
         write_dir.mkdir(parents=True, exist_ok=True)
+        if rank is not None:
+            self._write_rank_file(write_dir, rank)
         _repair_log_tail(write_dir / INDEX_FILE)
         self._next_batch = _next_batch_number(write_dir)
         has_log = (write_dir / INDEX_FILE).exists()
@@ -979,6 +1022,14 @@ class GradientStorageManager:
         self._written_projection = self._read_sidecar(write_dir / PROJECTION_FILE, has_log)
         self._write_dir = write_dir
         return write_dir
+
+    @staticmethod
+    def _write_rank_file(write_dir: Path, rank: int) -> None:
+        """Record ``{"rank", "world_size"}`` of this run in ``write_dir/ranks.json``."""
+        content = {"rank": rank, "world_size": dist_world_size()}
+        path = write_dir / RANKS_FILE
+        if not path.exists() or _read_json(path) != content:
+            _write_json(path, content)
 
     @staticmethod
     def _read_sidecar(path: Path, has_log: bool) -> dict[str, Any] | None:
@@ -1074,7 +1125,12 @@ class GradientStorageManager:
         return [self._save_dir] + sorted(p for p in self._save_dir.glob("rank_*") if p.is_dir())
 
     def _open_existing(self) -> None:
-        """Merge the sidecars and index logs of the root and every rank directory."""
+        """Merge the sidecars and index logs of the root and every rank directory.
+
+        Also notes the rank directories that a ``ranks.json`` world size needs
+        but that hold no indexed group (`_check_complete` raises on reads).
+        """
+        indexed_ranks: set[int] = set()
         for directory in self._store_dirs():
             log = directory / INDEX_FILE
             if not log.exists():
@@ -1089,11 +1145,38 @@ class GradientStorageManager:
             projection = directory / PROJECTION_FILE
             if projection.exists():
                 self._merge_projection(_read_json(projection), projection)
-            for line in _read_log(log):
+            lines = _read_log(log)
+            for line in lines:
                 described = [
                     (int(r["step"]), [str(h) for h in r["hashes"]]) for r in line["records"]
                 ]
                 self._add_group_entries(line["file"], described)
+            rank = None if directory == self._save_dir else _rank_of(directory)
+            if rank is None:
+                continue
+            if lines:
+                indexed_ranks.add(rank)
+            declared = _declared_world_size(directory)
+            if declared > (0 if self._declared_world is None else self._declared_world[1]):
+                self._declared_world = (directory / RANKS_FILE, declared)
+        world_size = 0 if self._declared_world is None else self._declared_world[1]
+        self._missing_ranks = [r for r in range(world_size) if r not in indexed_ranks]
+
+    def _check_complete(self) -> None:
+        """`ValueError` naming the rank directories the store needs but lacks (see `RANKS_FILE`)."""
+        if not self._missing_ranks:
+            return
+        missing = ", ".join(f"rank_{r}/" for r in self._missing_ranks)
+        path, world_size = self._declared_world
+        raise ValueError(
+            f"gradient store {self._save_dir} is missing the shard of rank(s) "
+            f"{self._missing_ranks}: {path} records a run of {world_size} ranks, but "
+            f"{missing} holds no indexed gradients, so scores would silently leave out that "
+            f"rank's samples. Copy the missing rank directory (from the machine that ran it) "
+            f"into {self._save_dir}, or re-run the capture into this store (re-saved samples "
+            f"replace their earlier records). To score only the ranks present, delete the "
+            f"{RANKS_FILE} files of its rank directories."
+        )
 
     def _merge_meta(self, meta: dict[str, Any], path: Path) -> None:
         if "sample_id_key" not in meta:
@@ -1193,6 +1276,7 @@ class GradientStorageManager:
         return _stringify_identifier(inputs[key])
 
     def _occurrences(self, identifier: object) -> list[dict[str, Any]]:
+        self._check_complete()
         identifier = _stringify_identifier(identifier)
         entries = self._index.get(identifier)
         if not entries:
@@ -1251,6 +1335,7 @@ class GradientStorageManager:
 
     def available_steps(self) -> list[int]:
         """Distinct steps of the indexed records, ascending."""
+        self._check_complete()
         return sorted(
             {
                 step
@@ -1262,6 +1347,7 @@ class GradientStorageManager:
 
     def locations(self) -> list[str]:
         """Every indexed group location in store order (root, then ranks; save order in RAM)."""
+        self._check_complete()
         return sorted(self._groups, key=self._location_order)
 
     def iter_steps(self, steps: int | Iterable[int]) -> list[tuple[str, dict[int, list[int]]]]:
@@ -1304,6 +1390,7 @@ class GradientStorageManager:
     def _read_group(self, location: str) -> list[GradientRecord]:
         """Every record of a group exactly as stored."""
         self._check_open()
+        self._check_complete()
         if location not in self._groups:
             raise KeyError(
                 f"gradient store {self._save_dir} has no group {location!r} in its index; "

@@ -222,23 +222,32 @@ def group_blocks(
     layer_name: Sequence[str] | None = None,
     per_sample_only: bool = True,
 ) -> list[Block]:
-    """One block per step of one group: its records concatenated, identifiers in order.
+    """The blocks of one group: per step, its records concatenated, identifiers in order.
 
-    ``per_sample_only`` drops ``param_grad`` layers (else they are summed over
-    the records, as `Gradient.concatenate` does).
+    Consecutive records of a step with the same layers form one block; a record
+    with another layer set (a micro-batch that skipped a layer, say) starts a
+    new block of the same step. ``per_sample_only`` drops ``param_grad`` layers
+    (else they are summed over the records, as `Gradient.concatenate` does).
     """
     blocks = []
     for step, idxs in step_idxs.items():
-        chosen = [records[i] for i in idxs]
-        gradient = concatenate_gradients(
-            [select_block_layers(r.gradient, layer_name, per_sample_only) for r in chosen]
-        )
-        identifiers = [
-            h
-            for r in chosen
-            for h in ([r.input_hash] if isinstance(r.input_hash, str) else r.input_hash)
-        ]
-        blocks.append((step, gradient, identifiers))
+        runs: list[list[GradientRecord]] = []
+        for i in idxs:
+            record = records[i]
+            if runs and set(record.gradient.data) == set(runs[-1][-1].gradient.data):
+                runs[-1].append(record)
+            else:
+                runs.append([record])
+        for run in runs:
+            gradient = concatenate_gradients(
+                [select_block_layers(r.gradient, layer_name, per_sample_only) for r in run]
+            )
+            identifiers = [
+                h
+                for r in run
+                for h in ([r.input_hash] if isinstance(r.input_hash, str) else r.input_hash)
+            ]
+            blocks.append((step, gradient, identifiers))
     return blocks
 
 
@@ -342,8 +351,23 @@ class GradientFileMultiStepDataset(torch.utils.data.Dataset):
         return len(self._groups)
 
     def __getitem__(self, index: int) -> dict[int, tuple[Gradient, list[str]]]:
-        """``{step: (block, hashes)}`` of group file ``index``."""
-        return {step: (block, hashes) for step, block, hashes in self._groups[index]}
+        """``{step: (block, hashes)}`` of group file ``index``.
+
+        Raises:
+            ValueError: a step's records in this group hold different layer sets
+                (they cannot form one block; read the store with
+                `iter_gradient_blocks` or `DiskGradientSource`, which keep them apart).
+        """
+        item: dict[int, tuple[Gradient, list[str]]] = {}
+        for step, block, hashes in self._groups[index]:
+            if step in item:
+                raise ValueError(
+                    f"group {self._groups.plan[index][0]!r} holds records of step {step} with "
+                    "different layer sets, which cannot form one block; read it with "
+                    "iter_gradient_blocks or DiskGradientSource, which keep them apart."
+                )
+            item[step] = (block, hashes)
+        return item
 
 
 def make_gradient_multistep_dataloader(

@@ -256,3 +256,25 @@ def test_partly_resaved_record_is_streamed_once(tmp_path, workers):
     for sample, gradient, row in (("a", old, 0), ("b", new, 0), ("c", old, 2)):
         block, k = rows[sample]
         assert_gradients_equal(block.slice("batch", [k]), gradient.slice("batch", [row]))
+
+
+def test_records_of_one_step_with_different_layers_are_kept_as_separate_blocks(tmp_path):
+    """A micro-batch that skipped a layer is staged into the same group as its sibling."""
+    from dattri_llm.gradient.datasets import GradientFileMultiStepDataset
+
+    full = make_gradient("dense", seed=0, batch=2)
+    names = sorted(full.data)
+    partial = full.select_layers(names[:1])
+    store = GradientStorageManager(tmp_path / "s")
+    store.save_bulk(
+        [
+            GradientRecord(step=0, input_hash=["a", "b"], gradient=full),
+            GradientRecord(step=0, input_hash=["c", "d"], gradient=partial),
+        ]
+    )
+    blocks = list(DiskGradientSource(GradientStorageManager(tmp_path / "s"), make_args()))
+    assert [ids for _, _, ids in blocks] == [["a", "b"], ["c", "d"]]
+    assert_gradients_equal(blocks[0][1], full)
+    assert_gradients_equal(blocks[1][1], partial)
+    with pytest.raises(ValueError, match="different layer sets"):
+        GradientFileMultiStepDataset(store, 0)[0]

@@ -49,6 +49,8 @@ _LAZY: dict[str, str] = {
     "EKFACAttributor": "dattri_llm.attribution",
     "LESSAttributor": "dattri_llm.attribution",
     "TrajectoryAttributor": "dattri_llm.attribution",
+    "DVEmbAttributor": "dattri_llm.attribution",
+    "AdamWInfluenceAttributor": "dattri_llm.attribution",
 }
 
 __all__ = [

@@ -14,6 +14,8 @@ import inspect
 import pytest
 
 from dattri_llm.attribution import utils as attribution_utils
+from dattri_llm.attribution.algorithm.adamw_influence import AdamWInfluenceAttributor
+from dattri_llm.attribution.algorithm.dvemb import DVEmbAttributor
 from dattri_llm.attribution.algorithm.kronecker import (
     EKFACAttributor,
     KFACAttributor,
@@ -345,11 +347,12 @@ def test_kronecker_subclass_contract():
 
 
 KRONECKER_ENTRY_POINTS = {
+    # extension: ``kept_gradient_budget=None`` (issue 13: first-pass gradients kept in a budget)
     "attribute": "(self, train_dataset, test_dataset, *, hook_config=None, verbose=False, "
     "loop_over_test=False, gradient_cache_residency=None, attribution_granularity='instance', "
     "damping=0.001, non_kfac_strategy='ignore', direct_fim_max_params=4096, "
     "relative_damping=False, factor_cache_residency=None, covariances_at_capture=True, "
-    "fisher_dir=None)",
+    "fisher_dir=None, kept_gradient_budget=None)",
     "attribute_from_cache": "(self, train_source, test_source, *, selected_training_steps=None, "
     "layer_name=None, verbose=False, loop_over_test=False, algorithm_meta=None, "
     "attribution_granularity='instance', damping=0.001, preconditioned_test_dir=None, "
@@ -436,3 +439,54 @@ def test_trajectory_signatures():
         "test_column_order",
     ):
         assert callable(getattr(TrajectoryAttributor, name))
+
+
+# ---------------------------------------------------------------------------- §10 DVEmb
+def test_dvemb_signatures():
+    assert DVEmbAttributor.algorithm == "DVEmb"
+    assert issubclass(DVEmbAttributor, TrajectoryAttributor)
+    check(DVEmbAttributor, INNER_PRODUCT_METHODS)
+    check(
+        DVEmbAttributor,
+        {
+            "__init__": "(self, args, *, task=None)",
+            "attribute": "(self, train_dataset, test_dataset, *, hook_config=None, verbose=False, "
+            "loop_over_test=False, gradient_cache_residency='disk', propagation='train', "
+            "dvemb_dir=None, hessian_mode='full', selected_training_steps=None, "
+            "loss_reduction='mean', learning_rate=1.0)",
+            "attribute_from_cache": "(self, train_source, test_source, *, "
+            "selected_training_steps=None, layer_name=None, verbose=False, "
+            "loop_over_test=False, algorithm_meta=None, propagation='train', dvemb_dir=None, "
+            "hessian_mode='full', final_step=None, loss_reduction='mean', learning_rate=1.0, "
+            "recorded_lr=None, hook_config=None, block_dtype=torch.float32)",
+            "cache_dvemb": "(self, train_gradients_dir, dvemb_dir=None, *, "
+            "selected_training_steps=None, hessian_mode='full', final_step=None, "
+            "loss_reduction='mean', verbose=False, layer_name=None, learning_rate=1.0)",
+            "embed_trajectory": "(self, train_source, prop_steps, output_steps, *, "
+            "learning_rate, loss_reduction='mean', hessian_mode='full', verbose=False)",
+        },
+    )
+
+
+# ---------------------------------------------------------------------------- §11 AdamW-influence
+def test_adamw_influence_signatures():
+    assert AdamWInfluenceAttributor.algorithm == "AdamWInfluence"
+    assert issubclass(AdamWInfluenceAttributor, TrajectoryAttributor)
+    check(
+        AdamWInfluenceAttributor,
+        {
+            "__init__": "(self, args, *, task=None, projection_kwargs=None)",
+            "attribute": "(self, train_dataset, test_dataset, *, hook_config=None, verbose=False, "
+            "**kwargs)",
+            "attribute_from_cache": "(self, train_source, test_source, *, dynamics=None, "
+            "selected_training_steps=None, layer_name=None, verbose=False, "
+            "loss_reduction='mean', propagation='train', loop_over_test=False, final_step=None, "
+            "hook_config=None, block_dtype=torch.float32, **kwargs)",
+            "load_dynamics": "(train, dynamics)",
+        },
+    )
+    assert isinstance(
+        inspect.getattr_static(AdamWInfluenceAttributor, "load_dynamics"), staticmethod
+    )
+    for name in ("sweep", "sweep_queries", "trajectory_callbacks", "on_trajectory_block"):
+        assert callable(getattr(AdamWInfluenceAttributor, name))

@@ -1,6 +1,8 @@
 """The attribution tier: arguments, scores, attributor bases and methods."""
 
 from dattri_llm.attribution.algorithm import (
+    AdamWInfluenceAttributor,
+    DVEmbAttributor,
     EKFACAttributor,
     KFACAttributor,
     KroneckerAttributor,
@@ -13,10 +15,12 @@ from dattri_llm.attribution.base import BaseAttributor, BaseInnerProductAttribut
 from dattri_llm.attribution.score import AttributionScore
 
 __all__ = [
+    "AdamWInfluenceAttributor",
     "AttributionArguments",
     "AttributionScore",
     "BaseAttributor",
     "BaseInnerProductAttributor",
+    "DVEmbAttributor",
     "EKFACAttributor",
     "KFACAttributor",
     "KroneckerAttributor",

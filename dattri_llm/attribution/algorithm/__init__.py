@@ -1,5 +1,7 @@
 """One module per attribution method."""
 
+from dattri_llm.attribution.algorithm.adamw_influence import AdamWInfluenceAttributor
+from dattri_llm.attribution.algorithm.dvemb import DVEmbAttributor
 from dattri_llm.attribution.algorithm.kronecker import (
     EKFACAttributor,
     KFACAttributor,
@@ -10,6 +12,8 @@ from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.algorithm.trajectory import TrajectoryAttributor
 
 __all__ = [
+    "AdamWInfluenceAttributor",
+    "DVEmbAttributor",
     "EKFACAttributor",
     "KFACAttributor",
     "KroneckerAttributor",

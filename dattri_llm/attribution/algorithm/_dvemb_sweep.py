@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import Gradient
 
 HESSIAN_MODES = ("full", "diagonal")
-LOSS_REDUCTIONS = ("mean", "sum")
 OPERATOR_WARN_BYTES = 2 * 1024**3
 LR_RTOL = 1e-6
 

@@ -36,7 +36,7 @@ import torch
 
 from dattri_llm.attribution import utils as attribution_utils
 from dattri_llm.attribution.algorithm import _dvemb_sweep as sweep
-from dattri_llm.attribution.algorithm.trajectory import TrajectoryAttributor
+from dattri_llm.attribution.algorithm.trajectory import LOSS_REDUCTIONS, TrajectoryAttributor
 from dattri_llm.attribution.base import _check_dataset, _require_records, fresh_store
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.snapshots import TrajectorySnapshots
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.streaming import GradientSource, StreamBatch
 
 HESSIAN_MODES = sweep.HESSIAN_MODES
-LOSS_REDUCTIONS = sweep.LOSS_REDUCTIONS
 DVEMB_DIR = "dvemb_grads"
 
 LearningRate = float | Mapping[int, float] | None

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.streaming import GradientSource, GradientStreamer
 
 PROPAGATIONS = ("train", "test")
+LOSS_REDUCTIONS = ("mean", "sum")
 TRAIN_GRADS_DIR = "train_grads"
 TRAIN_SNAPSHOTS_DIR = "train_snapshots"
 TEST_GRADS_DIR = "test_grads"

@@ -62,8 +62,14 @@ _IDENTITY_CHUNK_ROWS = 8192
 _IDENTITY_CHUNK_ELEMENTS = 2**27
 _SEED_MOD_MASK = 2**63 - 1
 _SEED_MULTIPLIER = 1_000_003
-# Output elements per chunk of the mask gather (bounds the (B, S, chunk) temporaries).
+# Output elements per chunk of the mask gather (bounds the (B, S, chunk) temporaries), and
+# per sample chunk of the materialize-then-index mask route (bounds the (b, D·K) block).
 _MASK_GATHER_ELEMENTS = 2**24
+# Mask routing constants, measured on CPU (one thread, float32): one gathered multiply-add
+# (`_gather_outer`) costs about as much as 300 multiply-adds of the token-contracting GEMM
+# and as 20 element writes of the materialized block.
+_MASK_GEMM_SPEEDUP = 300.0
+_MASK_WRITE_SPEEDUP = 20.0
 
 _BUILTIN_PROJ_TYPES = ("normal", "rademacher", "sjlt", "grass")
 _BUILTIN_ROW_BLOCK = 1024
@@ -829,6 +835,45 @@ def _gather_outer(
     return torch.cat(parts, dim=1).to(a.dtype)
 
 
+def _prefers_materialized_mask(tokens: int, width: int, proj_dim: int, gemm: bool) -> bool:
+    """Whether reading ``proj_dim`` of a layer's ``width`` coordinates is cheaper materialized.
+
+    Per sample, gathering costs ``tokens·proj_dim`` gathered multiply-adds; materializing
+    then indexing costs ``tokens·width`` GEMM multiply-adds (``gemm``: outer-family layers;
+    an embedding scatter-adds ``tokens·E`` entries instead, counted in ``width`` by the
+    caller) plus ``width + proj_dim`` element writes, each scaled to gathered multiply-adds
+    by the measured `_MASK_GEMM_SPEEDUP` / `_MASK_WRITE_SPEEDUP`. Ties go to materializing.
+    """
+    cost_gather = tokens * proj_dim
+    cost_materialize = (width + proj_dim) / _MASK_WRITE_SPEEDUP
+    if gemm:
+        cost_materialize += tokens * width / _MASK_GEMM_SPEEDUP
+    return cost_gather >= cost_materialize
+
+
+def _sample_chunks(batch: int, width: int) -> list[slice]:
+    """Sample slices whose ``(chunk, width)`` dense blocks stay within ``_MASK_GATHER_ELEMENTS``."""
+    step = max(1, _MASK_GATHER_ELEMENTS // max(1, width))
+    return [slice(start, start + step) for start in range(0, batch, step)]
+
+
+def _materialized_outer_entries(
+    a: torch.Tensor, g: torch.Tensor, idx: torch.Tensor, transposed: bool
+) -> torch.Tensor:
+    """``idx`` entries of ``Σ_s g_sᵀ a_s`` (``transposed``: ``Σ_s a_sᵀ g_s``) → ``(B, P)``.
+
+    ``a : (B, S, K)``, ``g : (B, S, D)``; samples are materialized in chunks (one GEMM
+    each, 16-bit inputs in float32) and indexed, so the dense block stays bounded.
+    """
+    accumulate = _accumulation_dtype(a.dtype)
+    left, right = (a, g) if transposed else (g, a)
+    parts = []
+    for rows in _sample_chunks(a.shape[0], left.shape[-1] * right.shape[-1]):
+        dense = torch.bmm(left[rows].transpose(1, 2).to(accumulate), right[rows].to(accumulate))
+        parts.append(dense.reshape(dense.shape[0], -1)[:, idx].to(a.dtype))
+    return torch.cat(parts)
+
+
 def _mask_embedding(
     a: torch.Tensor,
     g: torch.Tensor,
@@ -838,7 +883,9 @@ def _mask_embedding(
 ) -> torch.Tensor:
     """Entries ``dW[b, v, e] = Σ_t [ids[b,t] = v] · g[b, t, e]`` at the masked ``(v, e)``.
 
-    Chunked over the kept coordinates; 16-bit inputs accumulate in float32.
+    Routed by `_prefers_materialized_mask`: scatter-add sample chunks into
+    ``(chunk, V·E)`` and index them, or match token ids per kept coordinate
+    (chunked over the coordinates; 16-bit inputs accumulate in float32).
     """
     vocab = _embedding_kwargs(module_kwargs, layer_type, "mask_factors")
     ids, g = preprocess_factors(a, g, layer_type, module_kwargs, include_bias=False)
@@ -846,6 +893,9 @@ def _mask_embedding(
     (g,) = dtypes.align(g)
     width = g.shape[-1]
     idx = idx_of(vocab * width)
+    tokens = ids[0].numel() if ids.shape[0] else 0
+    if _prefers_materialized_mask(tokens, vocab * width + tokens * width, idx.numel(), False):
+        return _materialized_embedding_entries(ids, g, vocab, idx)
     rows, cols = idx // width, idx % width
     accumulate = _accumulation_dtype(g.dtype)
     chunk = max(1, _MASK_GATHER_ELEMENTS // max(1, ids.numel()))
@@ -855,6 +905,22 @@ def _mask_embedding(
         hits = ids.unsqueeze(-1) == r
         parts.append((g[:, :, c] * hits).sum(dim=1, dtype=accumulate))
     return torch.cat(parts, dim=1).to(g.dtype)
+
+
+def _materialized_embedding_entries(
+    ids: torch.Tensor, g: torch.Tensor, vocab: int, idx: torch.Tensor
+) -> torch.Tensor:
+    """``idx`` entries of the scatter-added ``(B, V·E)`` table, built in sample chunks."""
+    ids = ids.reshape(ids.shape[0], -1)
+    g = g.reshape(g.shape[0], -1, g.shape[-1])
+    accumulate = _accumulation_dtype(g.dtype)
+    parts = []
+    for rows in _sample_chunks(g.shape[0], vocab * g.shape[-1]):
+        values = g[rows].to(accumulate)
+        table = values.new_zeros(values.shape[0], vocab, values.shape[-1])
+        table.scatter_add_(1, ids[rows].unsqueeze(-1).expand_as(values), values)
+        parts.append(table.reshape(table.shape[0], -1)[:, idx].to(g.dtype))
+    return torch.cat(parts)
 
 
 def mask_factors(
@@ -871,10 +937,13 @@ def mask_factors(
 ) -> torch.Tensor:
     """``"mask"``: ``proj_dim`` exact coordinates of the flattened gradient → ``(B, proj_dim)``.
 
-    Coordinates follow the materialize layout and are gathered from the
-    factors without forming the full gradient (outer family:
+    Coordinates follow the materialize layout (outer family:
     ``dW[b,o,i] = Σ_t g[b,t,o]·a[b,t,i]``; conv-transpose in its ``(K_a, D_g)``
-    orientation; embeddings by token-id match, needing ``module_kwargs``).
+    orientation; embeddings by token id, needing ``module_kwargs``). Each layer
+    takes the cheaper of two exact routes by `_prefers_materialized_mask`:
+    gather the entries from the factors (cost ``∝ B·S·proj_dim``) or
+    materialize the layer in sample chunks and index it (``∝ B·S·D·K +
+    B·proj_dim``), so a mask is never much slower than the unmasked layer.
     Norm layers are materialized, then gathered. Only `MASK_KEYS` are accepted.
     """
     _check_mask_kwargs(proj_kwargs, f"mask_factors({layer_type})")
@@ -908,7 +977,10 @@ def mask_factors(
         )
     k_a, k_g = a.shape[-1], g.shape[-1]
     idx = idx_of(k_a * k_g)
-    if is_conv_transpose(layer_type):  # row-major (K_a, D_g)
+    transposed = is_conv_transpose(layer_type)  # row-major (K_a, D_g)
+    if _prefers_materialized_mask(a.shape[1], k_a * k_g, idx.numel(), True):
+        return _materialized_outer_entries(a, g, idx, transposed)
+    if transposed:
         return _gather_outer(a, g, idx % k_g, idx // k_g)
     return _gather_outer(a, g, idx // k_a, idx % k_a)
 

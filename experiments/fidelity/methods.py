@@ -1,0 +1,245 @@
+"""The attribution methods, as a registry: name → function of the captured stores.
+
+Every entry returns a ``(num_train, num_query)`` float64 matrix, rows in
+fine-tuning order (``captured.train_ids``), columns in query order, with ONE
+sign convention: a positive score means the sample HELPS the query — training
+on it lowers the query loss, so removing it raises the loss. That is the sign
+of the TSLOO ground truth ``L_j(θ_T without i) − L_j(θ_T)``.
+
+``Method.charged`` names the captures in ``Captured.seconds`` that a method
+needs beyond the training run itself and is charged for (the frozen pass at
+``θ_T``, the query passes at every checkpoint); the trajectory captures made
+during training are not charged, as in the paper (B.2).
+
+Methods whose attributor does not import (AdamW-influence, DVEmb while they
+are being written) are reported by ``unavailable()`` with the import error.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from capture import Captured
+
+from dattri_llm import (
+    AttributionArguments,
+    EKFACAttributor,
+    KFACAttributor,
+    LESSAttributor,
+    TracInAttributor,
+)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One registry entry: the scoring function and the captures it is charged for."""
+
+    score: Callable[[Captured], torch.Tensor]
+    charged: tuple[str, ...] = ()
+    note: str = ""
+
+
+def aligned(score, captured: Captured) -> torch.Tensor:
+    """An ``AttributionScore`` as ``(num_train, num_query)``, rows summed over steps.
+
+    Training samples the score has no row for (not in the scored steps) get 0.
+    """
+    ids, matrix = score.agnostic_matrix()
+    row_of = {sample: row for row, sample in enumerate(captured.train_ids)}
+    columns = [score.test_index[q] for q in captured.query_ids]
+    result = torch.zeros(len(captured.train_ids), len(captured.query_ids), dtype=torch.float64)
+    result[[row_of[i] for i in ids]] = matrix[:, columns].double()
+    return result
+
+
+def arguments(captured: Captured) -> AttributionArguments:
+    """Scoring arguments: CPU, a throwaway output directory."""
+    return AttributionArguments(
+        output_dir=tempfile.mkdtemp(prefix="tsloo_"),
+        use_cpu=True,
+        seed=captured.setting.seed,
+        per_device_train_batch_size=16,
+    )
+
+
+# ---------------------------------------------------------------------------- single checkpoint
+def grad_dot(captured: Captured) -> torch.Tensor:
+    """``<g_i(θ_T), q_j(θ_T)>``."""
+    attributor = TracInAttributor(arguments(captured))
+    return aligned(
+        attributor.attribute_from_cache(captured.final_train, captured.queries_final), captured
+    )
+
+
+def grad_cos(captured: Captured) -> torch.Tensor:
+    """Cosine of ``g_i(θ_T)`` and ``q_j(θ_T)``."""
+    attributor = TracInAttributor(arguments(captured))
+    score = attributor.attribute_from_cache(
+        captured.final_train, captured.queries_final, normalized_grad=True
+    )
+    return aligned(score, captured)
+
+
+def kronecker(cls: type) -> Callable[[Captured], torch.Tensor]:
+    """K-FAC / EK-FAC influence ``g_iᵀ F⁻¹ q_j`` at ``θ_T``; damping 0.1 × mean eigenvalue (B.2)."""
+
+    def score(captured: Captured) -> torch.Tensor:
+        attributor = cls(arguments(captured))
+        result = attributor.attribute_from_cache(
+            captured.final_train, captured.queries_final, damping=0.1, relative_damping=True
+        )
+        return aligned(result, captured)
+
+    return score
+
+
+# ---------------------------------------------------------------------------- along the trajectory
+def tracin(captured: Captured) -> torch.Tensor:
+    """``Σ_t η_t <g_i(θ_t), q_j(θ_t)>``: each step's samples against the queries at ``θ_t``."""
+    total = torch.zeros(len(captured.train_ids), len(captured.query_ids), dtype=torch.float64)
+    for step, lr in captured.lrs.items():
+        score = TracInAttributor(arguments(captured)).attribute_from_cache(
+            captured.trajectory, captured.queries_at(step), selected_training_steps=[step]
+        )
+        total += lr * aligned(score, captured)
+    return total
+
+
+def tracin_final_queries(captured: Captured) -> torch.Tensor:
+    """``Σ_t η_t <g_i(θ_t), q_j(θ_T)>`` (DVEmb with ``H = 0``)."""
+    score = TracInAttributor(arguments(captured)).attribute_from_cache(
+        captured.trajectory, captured.queries_final
+    )
+    lrs = torch.tensor([captured.lrs[s] for s in score.row_steps], dtype=score.scores.dtype)
+    score.scores = score.scores * lrs[:, None]
+    return aligned(score, captured)
+
+
+def less(captured: Captured) -> torch.Tensor:
+    """``Σ_t η_t cos(Γ(z_i; θ_t), q_j(θ_t))`` (LESS with the Adam update direction ``Γ``)."""
+    total = torch.zeros(len(captured.train_ids), len(captured.query_ids), dtype=torch.float64)
+    for step, lr in captured.lrs.items():
+        score = LESSAttributor(arguments(captured)).attribute_from_cache(
+            captured.trajectory_preconditioned,
+            captured.queries_at(step),
+            selected_training_steps=[step],
+            learning_rates={step: lr},
+        )
+        total += aligned(score, captured)
+    return total
+
+
+def random_baseline(captured: Captured) -> torch.Tensor:
+    """Standard normal scores (seeded): the chance level, about 0."""
+    gen = torch.Generator().manual_seed(captured.setting.seed + 7)
+    shape = (len(captured.train_ids), len(captured.query_ids))
+    return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------- issue 11 methods
+def adamw_influence(num_masks: int) -> Callable[[Captured], torch.Tensor]:
+    """AdamW-influence (query-side sweep); ``num_masks > 1`` averages disjoint coordinate groups.
+
+    The attributor's rows are ``−qᵀ W·push(g_z)`` where ``push`` is the state
+    change when the sample is REMOVED, i.e. minus the first-order change of the
+    query loss on removal: negated here to the "helps" convention.
+    """
+
+    def score(captured: Captured) -> torch.Tensor:
+        attributor = attributor_class("AdamWInfluenceAttributor")(arguments(captured))
+        result = attributor.attribute_from_cache(
+            captured.trajectory,
+            captured.queries_final,
+            dynamics=captured.dynamics,
+            loss_reduction="sum",
+            propagation="test",
+            num_masks=num_masks,
+        )
+        return ADAMW_SIGN * aligned(result, captured)
+
+    return score
+
+
+def dvemb(mode: str) -> Callable[[Captured], torch.Tensor]:
+    """DVEmb ``η_s qᵀ Π(I − η_k H_k) g`` with ``hessian_mode=mode`` (query-side sweep)."""
+
+    def score(captured: Captured) -> torch.Tensor:
+        result = attributor_class("DVEmbAttributor")(arguments(captured)).attribute_from_cache(
+            captured.trajectory,
+            captured.queries_final,
+            propagation="test",
+            hessian_mode=mode,
+            loss_reduction="sum",
+            learning_rate=dict(captured.lrs),
+        )
+        return aligned(result, captured)
+
+    return score
+
+
+# Sign that maps AdamW-influence's rows to the "helps the query" convention (see its docstring).
+ADAMW_SIGN = -1.0
+
+FROZEN = ("frozen",)
+PER_STEP = ("per_step_queries",)
+METHODS: dict[str, Method] = {
+    "Random": Method(random_baseline),
+    "Grad-Dot": Method(grad_dot, FROZEN, "θ_T"),
+    "Grad-Cos": Method(grad_cos, FROZEN, "θ_T"),
+    "K-FAC": Method(kronecker(KFACAttributor), FROZEN, "θ_T"),
+    "EK-FAC": Method(kronecker(EKFACAttributor), FROZEN, "θ_T"),
+    "TracIn": Method(tracin, PER_STEP, "η_t-weighted, queries at each θ_t"),
+    "TracIn (θ_T queries)": Method(tracin_final_queries, (), "η_t-weighted = DVEmb with H=0"),
+    "LESS": Method(less, PER_STEP, "η_t-weighted cosine, queries at each θ_t"),
+    "AdamW-influence (full)": Method(adamw_influence(1)),
+    "AdamW-influence (8 masks)": Method(
+        adamw_influence(8), (), "8 disjoint per-layer coordinate groups, averaged"
+    ),
+    "DVEmb (full H)": Method(dvemb("full")),
+    "DVEmb (diagonal H)": Method(dvemb("diagonal")),
+}
+NEEDS = {
+    "AdamW-influence (full)": "AdamWInfluenceAttributor",
+    "AdamW-influence (8 masks)": "AdamWInfluenceAttributor",
+    "DVEmb (full H)": "DVEmbAttributor",
+    "DVEmb (diagonal H)": "DVEmbAttributor",
+}
+
+
+MODULES = {
+    "AdamWInfluenceAttributor": "dattri_llm.attribution.algorithm.adamw_influence",
+    "DVEmbAttributor": "dattri_llm.attribution.algorithm.dvemb",
+}
+
+
+def attributor_class(name: str) -> type:
+    """``dattri_llm.<name>``, else the class from its defining module (before it is exported)."""
+    import importlib
+
+    import dattri_llm
+
+    try:
+        return getattr(dattri_llm, name)
+    except AttributeError:
+        return getattr(importlib.import_module(MODULES[name]), name)
+
+
+def unavailable() -> dict[str, str]:
+    """``{method: reason}`` for registry entries whose attributor does not import."""
+    reasons = {}
+    for method, name in NEEDS.items():
+        try:
+            attributor_class(name)
+        except (AttributeError, ImportError) as error:
+            reasons[method] = f"{name} does not import ({type(error).__name__}: {error})"
+    return reasons
+
+
+def exported(name: str) -> bool:
+    """Whether ``from dattri_llm import <name>`` works (the public API)."""
+    import dattri_llm
+
+    return hasattr(dattri_llm, name)

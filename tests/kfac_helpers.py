@@ -162,3 +162,35 @@ def linear_kronecker_scores(
             op = ekfac_operator(a_cov, g_cov, g_tr[name], damping)
         total = total + g_tr[name] @ op @ g_te[name].T
     return total
+
+
+def linear_kronecker_token_scores(
+    model: nn.Module,
+    layers: tuple[str, ...],
+    loss_fn,
+    train: tuple,
+    test: tuple,
+    method: str,
+    damping: float,
+) -> torch.Tensor:
+    """Per-token contributions ``(n_train, T, n_test)`` of :func:`linear_kronecker_scores`.
+
+    Token ``t`` of train sample ``i`` contributes ``g_itᵀ·P_j·[x_it, 1]`` with
+    ``P_j = F⁻¹ vec(dW_te,j)`` viewed ``(D, K+1)``; the sum over ``t`` is the score
+    (loss summed over samples, so each sample's token rows are its own gradient).
+    """
+    io = linear_layer_io(model, layers, loss_fn, train)
+    g_tr = linear_per_sample_grads(model, layers, loss_fn, train)
+    g_te = linear_per_sample_grads(model, layers, loss_fn, test)
+    total = 0
+    for name in layers:
+        x, g = io[name]
+        a_cov, g_cov = covariances(*linear_rows(x, g))
+        if method == "kfac":
+            op = kfac_operator(a_cov, g_cov, damping)
+        else:
+            op = ekfac_operator(a_cov, g_cov, g_tr[name], damping)
+        pre = (g_te[name] @ op).reshape(-1, g.shape[-1], x.shape[-1] + 1)  # (n_test, D, K+1)
+        a = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
+        total = total + torch.einsum("itd,jdk,itk->itj", g, pre, a)
+    return total

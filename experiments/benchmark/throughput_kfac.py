@@ -1,265 +1,269 @@
-"""K-FAC / EK-FAC attribution throughput on the Grad-Dot workload, against kronfluence.
+"""K-FAC / EK-FAC attribution time as a multiple of Grad-Dot (P) on the same data.
 
-Workload: exactly that of ``throughput.py`` (imported from it): GPT-NeoX from config
-(4 layers, hidden 256, 4 heads, MLP 1024, vocab 1024), 256 random training sequences of
-128 tokens, 1 or 16 query sequences, fp32 CPU, batch 16 on both sides, the 16 linear
-layers of the transformer blocks, loss = sum over samples of each sequence's mean
-next-token loss (empirical Fisher).
+Workload (issue 13): GPT-NeoX from config (4 layers, hidden 128, 4 heads, MLP 4x hidden,
+vocab 1024), 128 random training sequences of 128 tokens, 16 query sequences, fp32 CPU,
+batch 8 on both sides, the 16 linear layers of the transformer blocks, loss = sum over
+samples of each sequence's mean next-token loss (empirical Fisher), one thread
+(``torch.set_num_threads(1)``). ``--wide`` switches to hidden 512, 8 heads, 64 sequences.
 
-Rows (each one whole attribution call: capture, curvature fit, preconditioning, scoring):
+Configurations (each one whole live ``attribute(train, test)`` call):
 
-* ``dattri_llm`` — ``KFACAttributor`` / ``EKFACAttributor``, ``attribute(train, test)``
-  (live: a fit pass over the training set with covariances recorded at capture, then the
-  scoring pass), damping ``1e-3`` relative to the mean eigenvalue; ``full`` and ``logra``
-  (capture-time Kronecker projection ``k_a = k_g = 64``, the library's default projector);
-* ``kronfluence`` — ``FactorArguments(strategy="kfac" | "ekfac", use_empirical_fisher=True)``,
-  ``fit_all_factors`` + ``compute_pairwise_scores`` with its default damping, run under
-  ``--peer-python``; it has no capture-time projection, so only ``full`` rows.
+* ``graddot`` — ``TracInAttributor`` (one checkpoint = Grad-Dot): the time **P**;
+* ``kfac`` / ``ekfac`` — ``KFACAttributor`` / ``EKFACAttributor``, damping ``1e-3`` relative
+  to the mean eigenvalue, with the default pass plan (first-pass training gradients kept
+  within the default ``kept_gradient_budget``);
+* ``kfac-rerun`` / ``ekfac-rerun`` — the same with ``kept_gradient_budget=0`` (the model is
+  re-run for every pass);
+* ``*-cache`` (only with ``--configs`` / ``--profile``) — ``gradient_cache_residency="memory"``:
+  each side collected once into a memory store, then ``attribute_from_cache``;
+* ``*-logra`` — capture-time Kronecker projection ``k_a = k_g = 64`` (library default
+  projector); ``graddot-logra`` is P for them.
 
-The two libraries damp differently, so their scores are not expected to agree; the sums of
-absolute scores are printed only to show each run scored the same shapes.
+Metrics, per configuration in a fresh process after a warm-up call on one batch: wall
+seconds of the call and growth of peak RSS (VmHWM) over the RSS before the call (see
+``throughput.measure``). Each configuration runs ``--repeats`` times in interleaved rounds;
+medians are reported, with the ratio to the matching Grad-Dot median.
 
-Metrics, per configuration in a fresh process after a warm-up call on one batch:
-wall seconds of the call, training samples per second, and growth of peak RSS (VmHWM) over
-the RSS before the call (see ``throughput.measure``). Medians over interleaved rounds.
+``--profile CONFIG`` runs one configuration in this process under ``cProfile`` and prints
+the top functions by cumulative and by own time (``--top`` rows).
 
-Usage: ``python experiments/benchmark/throughput_kfac.py [--peer-python PATH] [--out PATH]
-[--repeats R]``. Child mode (internal): ``--worker LIB --method M --proj P --queries N``.
+Usage: ``python experiments/benchmark/throughput_kfac.py [--wide] [--repeats R] [--out PATH]
+[--configs a,b,...] [--note TEXT]`` or ``... --profile ekfac``. Child mode (internal):
+``--worker CONFIG``.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
+import pstats
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
-from throughput import (
-    BATCH,
-    K_PROJ,
-    LINEAR,
-    N_TRAIN,
-    QUERY_COUNTS,
-    RESULTS,
-    SEQ,
-    VOCAB,
-    aggregate,
-    build_data,
-    build_model,
-    linear_names,
-    machine_line,
-    measure,
-    run_child,
-    sum_loss,
+from throughput import K_PROJ, LINEAR, RESULTS, VOCAB, machine_line, measure, sum_loss
+
+SEQ, BATCH, N_QUERIES, DAMPING = 128, 8, 16, 1e-3
+WORKLOADS = {
+    "narrow": {"hidden": 128, "heads": 4, "n_train": 128},
+    "wide": {"hidden": 512, "heads": 8, "n_train": 64},
+}
+CONFIGS = (
+    "graddot",
+    "kfac",
+    "ekfac",
+    "kfac-rerun",
+    "ekfac-rerun",
+    "graddot-logra",
+    "kfac-logra",
+    "ekfac-logra",
 )
-
-METHODS = ("kfac", "ekfac")
-DAMPING = 1e-3
-UNSUPPORTED = {("kronfluence", "logra"): "kronfluence has no capture-time gradient projection"}
+# through attribute_from_cache (each side collected once into a memory store); --configs only
+CACHE_CONFIGS = ("graddot-cache", "kfac-cache", "ekfac-cache")
 
 
-def run_dattri_llm(method: str, proj: str, n_queries: int, n_train: int) -> dict:
+def build_model(hidden: int, heads: int) -> torch.nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        num_hidden_layers=4,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPTNeoXForCausalLM(config).eval()
+
+
+def build_data(n_train: int) -> tuple[list[dict], list[dict]]:
+    gen = torch.Generator().manual_seed(1)
+    train = torch.randint(1, VOCAB, (n_train, SEQ), generator=gen)
+    test = torch.randint(1, VOCAB, (N_QUERIES, SEQ), generator=gen)
+    return [{"input_ids": x} for x in train], [{"input_ids": x} for x in test]
+
+
+def make_call(config: str, workload: dict):
+    """``(attribute(train_set), train, test)`` for one configuration."""
     from dattri_llm import AttributionArguments, AttributionTask, HookManagerConfig
     from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
+    from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 
-    model = build_model()
-    train, test = build_data(n_queries)
-    train = train[:n_train]
+    method, _, variant = config.partition("-")
+    model = build_model(workload["hidden"], workload["heads"])
+    train, test = build_data(workload["n_train"])
     projection = None
-    if proj == "logra":
+    if variant == "logra":
         projection = {"__default__": {"style": "logra", "proj_dim": K_PROJ}}
-    config = HookManagerConfig(linear_io=[LINEAR], projection_kwargs=projection)
+    hooks = HookManagerConfig(linear_io=[LINEAR], projection_kwargs=projection)
     args = AttributionArguments(
         output_dir=tempfile.mkdtemp(),
         use_cpu=True,
         per_device_train_batch_size=BATCH,
         per_device_eval_batch_size=BATCH,
     )
-    cls = KFACAttributor if method == "kfac" else EKFACAttributor
-    attributor = cls(args, task=AttributionTask(loss_func=sum_loss, model=model))
+    task = AttributionTask(loss_func=sum_loss, model=model)
+    if method == "graddot":
+        attributor = TracInAttributor(args, task=task)
+        kwargs: dict = {}
+    else:
+        cls = KFACAttributor if method == "kfac" else EKFACAttributor
+        attributor = cls(args, task=task)
+        kwargs = {"damping": DAMPING, "relative_damping": True}
+        if variant == "rerun":
+            kwargs["kept_gradient_budget"] = 0
+    if variant == "cache":
+        kwargs["gradient_cache_residency"] = "memory"
 
     def attribute(train_set):
-        return attributor.attribute(
-            train_set, test, hook_config=config, damping=DAMPING, relative_damping=True
-        )
+        return attributor.attribute(train_set, test, hook_config=hooks, **kwargs)
 
+    return attribute, train, test
+
+
+def run_worker(config: str, workload: dict) -> dict:
+    torch.set_num_threads(1)
+    attribute, train, _ = make_call(config, workload)
     attribute(train[:BATCH])  # warm-up
     result = {}
     metrics = measure(lambda: result.setdefault("score", attribute(train)))
-    metrics["checksum"] = float(result["score"].scores.double().abs().sum())
+    score = result["score"]
+    metrics["checksum"] = float(score.scores.double().abs().sum())
+    metrics["plan"] = score.algorithm_meta.get("pass_plan")
     metrics["version"] = f"dattri_llm {version('dattri-llm')}, torch {torch.__version__}"
     return metrics
 
 
-def run_kronfluence(method: str, proj: str, n_queries: int, n_train: int) -> dict:
-    from kronfluence.analyzer import Analyzer, prepare_model
-    from kronfluence.arguments import FactorArguments
-    from kronfluence.task import Task
-
-    model = build_model()
-    train, test = build_data(n_queries)
-    train = train[:n_train]
-    names = linear_names(model)
-
-    class LMTask(Task):
-        def compute_train_loss(self, batch, model, sample=False):
-            return sum_loss(model, batch)
-
-        def compute_measurement(self, batch, model):
-            return sum_loss(model, batch)
-
-        def get_influence_tracked_modules(self):
-            return names
-
-    task = LMTask()
-    model = prepare_model(model, task)
-    analyzer = Analyzer(
-        "kfac", model, task, cpu=True, disable_tqdm=True, output_dir=tempfile.mkdtemp()
-    )
-    factor_args = FactorArguments(strategy=method, use_empirical_fisher=True)
-
-    def attribute(tag, train_set):
-        analyzer.fit_all_factors(
-            tag,
-            train_set,
-            per_device_batch_size=BATCH,
-            factor_args=factor_args,
-            overwrite_output_dir=True,
-        )
-        analyzer.compute_pairwise_scores(
-            tag,
-            tag,
-            test,
-            train_set,
-            per_device_query_batch_size=BATCH,
-            per_device_train_batch_size=BATCH,
-            overwrite_output_dir=True,
-        )
-
-    attribute("warmup", train[:BATCH])
-    metrics = measure(lambda: attribute("run", train))
-    scores = analyzer.load_pairwise_scores("run")["all_modules"]
-    metrics["checksum"] = float(scores.double().abs().sum())
-    metrics["version"] = f"kronfluence {version('kronfluence')}, torch {torch.__version__}"
-    return metrics
+def profile(config: str, workload: dict, top: int) -> None:
+    """Run ``config`` once under cProfile (after a warm-up) and print the top functions."""
+    torch.set_num_threads(1)
+    attribute, train, _ = make_call(config, workload)
+    attribute(train[:BATCH])
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    attribute(train)
+    profiler.disable()
+    print(f"{config}: {time.perf_counter() - start:.2f} s under the profiler")
+    for key in ("cumulative", "tottime"):
+        print(f"\n--- top {top} by {key} ---")
+        pstats.Stats(profiler).sort_stats(key).print_stats(top)
 
 
-WORKERS = {"dattri_llm": run_dattri_llm, "kronfluence": run_kronfluence}
+def run_child(config: str, wide: bool) -> dict:
+    cmd = [sys.executable, __file__, "--worker", config] + (["--wide"] if wide else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"skipped": f"failed: {tail[0][:300]}"}
+    return json.loads(lines[-1])
 
 
-def render(rows: list[dict], peer_python: str, total_seconds: float, n_train: int) -> str:
-    lines = [
-        "# K-FAC / EK-FAC throughput on the Grad-Dot GPT-NeoX workload (CPU)",
-        "",
-        f"Date: {datetime.date.today().isoformat()}. Machine: {machine_line()}.",
-        f"Peers ran under `{peer_python}`. Produced by "
-        f"`experiments/benchmark/throughput_kfac.py` in {total_seconds / 60:.1f} min.",
-        "",
-        f"Workload (as `throughput.md`): GPT-NeoX from config (4 layers, hidden 256, 4 heads, "
-        f"MLP 1024, vocab {VOCAB}), {n_train} training sequences x {SEQ} tokens, fp32, batch "
-        f"{BATCH}, 16 hooked linear layers, empirical Fisher. `logra` = capture-time Kronecker "
-        f"projection k_a = k_g = {K_PROJ} (library default projector).",
-        "dattri_llm: live `attribute` (fit pass with covariances recorded at capture, then the "
-        f"scoring pass), damping {DAMPING:g} relative to the mean eigenvalue. kronfluence: "
-        "`fit_all_factors` + `compute_pairwise_scores`, default damping, factors written to a "
-        "temporary directory. The damping differs, so the score sums are not a cross-check.",
-        "Throughput = training samples per second of one attribution call after a warm-up "
-        "call; peak memory = growth of peak RSS (VmHWM) over the RSS before the call. Medians "
-        "over interleaved rounds, each configuration in a fresh process.",
-        "",
-        "| library | method | projection | queries | rounds | seconds (median) | samples/s "
-        "| peak RSS growth (MiB) | speed vs dattri_llm full | sum of abs scores |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    ours = {
-        (r["method"], r["queries"]): r
-        for r in rows
-        if r["library"] == "dattri_llm" and r["proj"] == "full" and "seconds" in r
+def reference_of(config: str) -> str:
+    """The Grad-Dot configuration a row is divided by (P)."""
+    for variant in ("logra", "cache"):
+        if config.endswith(variant):
+            return f"graddot-{variant}"
+    return "graddot"
+
+
+def render(runs: dict[str, list[dict]], workload: dict, opts: argparse.Namespace) -> str:
+    medians = {
+        c: {
+            "seconds": statistics.median(r["seconds"] for r in rs),
+            "peak_mib": statistics.median(r["peak_mib"] for r in rs),
+            "all": [r["seconds"] for r in rs],
+            "plan": rs[0].get("plan"),
+            "checksum": rs[0]["checksum"],
+        }
+        for c, rs in runs.items()
+        if rs and all("skipped" not in r for r in rs)
     }
-    notes = []
-    for r in rows:
-        if "skipped" in r:
-            notes.append(
-                f"* {r['library']} / {r['method']} / {r['proj']} / {r['queries']} queries: "
-                f"{r['skipped']}"
-            )
-            continue
-        base = ours.get((r["method"], r["queries"]))
-        ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base else "-"
-        lines.append(
-            f"| {r['library']} | {r['method'].upper()} | {r['proj']} | {r['queries']} "
-            f"| {r['rounds']} | {r['seconds']:.2f} | {n_train / r['seconds']:.1f} "
-            f"| {r['peak_mib']:.0f} | {ratio} | {r['checksum']:.6g} |"
-        )
-    versions = sorted({r["version"] for r in rows if "version" in r})
-    if n_train != N_TRAIN:
-        lines += [
-            "",
-            f"Training set cut from {N_TRAIN} to the first {n_train} sequences so that the whole "
-            "benchmark fits in about 8 minutes on this shared 2-core machine; everything else "
-            "is the Grad-Dot workload.",
-        ]
+    lines = [
+        f"# K-FAC / EK-FAC time in units of Grad-Dot (P), {opts.workload} workload (CPU)",
+        "",
+        f"Date: {datetime.date.today().isoformat()}. Machine: {machine_line()}; each worker "
+        "ran with `torch.set_num_threads(1)`.",
+        f"Produced by `experiments/benchmark/throughput_kfac.py{' --wide' if opts.wide else ''}"
+        f" --repeats {opts.repeats}`.",
+        "",
+        f"Workload: GPT-NeoX from config (4 layers, hidden {workload['hidden']}, "
+        f"{workload['heads']} heads, MLP {4 * workload['hidden']}, vocab {VOCAB}), "
+        f"{workload['n_train']} training sequences x {SEQ} tokens, {N_QUERIES} queries, fp32, "
+        f"batch {BATCH}, 16 hooked linear layers, empirical Fisher, damping {DAMPING:g} "
+        "relative. One live `attribute` call per run after a warm-up call; peak = growth of "
+        "peak RSS (VmHWM) over the RSS before the call. Medians of interleaved rounds, each "
+        "run in a fresh process.",
+    ]
+    if opts.note:
+        lines += ["", opts.note]
     lines += [
         "",
-        "Versions: " + "; ".join(versions) + ".",
-        "LogIX is not compared: `logix-ai` has releases only for Python < 3.11 (this machine "
-        "has 3.11).",
+        "| config | runs (s) | median (s) | x P | peak RSS growth (MiB) | pass plan "
+        "| sum of abs scores |",
+        "|---|---|---|---|---|---|---|",
     ]
-    if notes:
-        lines += ["", "Not run:", *notes]
+    for config, m in medians.items():
+        ref = medians.get(reference_of(config))
+        ratio = f"{m['seconds'] / ref['seconds']:.2f}" if ref else "-"
+        plan = m["plan"]
+        plan_text = (
+            "-"
+            if not plan
+            else f"{plan['passes']} passes ({plan['source_passes']} ran the model), "
+            f"{plan['kept_bytes'] / 2**20:.0f} MiB kept"
+        )
+        runs_text = ", ".join(f"{s:.2f}" for s in m["all"])
+        lines.append(
+            f"| {config} | {runs_text} | {m['seconds']:.2f} | {ratio} | {m['peak_mib']:.0f} "
+            f"| {plan_text} | {m['checksum']:.6g} |"
+        )
+    failed = [f"* {c}: {rs[0]['skipped']}" for c, rs in runs.items() if "skipped" in rs[0]]
+    if failed:
+        lines += ["", "Not run:", *failed]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    import time
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=sorted(WORKERS))
-    parser.add_argument("--method", choices=METHODS, default="kfac")
-    parser.add_argument("--proj", choices=("full", "logra"), default="full")
-    parser.add_argument("--queries", type=int, default=1)
-    parser.add_argument(
-        "--peer-python",
-        default=sys.executable,
-        help="interpreter that has the peer libraries installed",
-    )
-    parser.add_argument("--out", default=str(RESULTS / "throughput_kfac.md"))
-    parser.add_argument(
-        "--n-train", type=int, default=N_TRAIN, help="training sequences (first n of the set)"
-    )
-    parser.add_argument("--repeats", type=int, default=1, help="rounds; medians are reported")
+    parser.add_argument("--worker", choices=CONFIGS + CACHE_CONFIGS)
+    parser.add_argument("--profile", choices=CONFIGS + CACHE_CONFIGS)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--wide", action="store_true", help="hidden 512, 8 heads, 64 sequences")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported")
+    parser.add_argument("--note", default="", help="a line added under the workload text")
+    parser.add_argument("--out", default=None)
     opts = parser.parse_args()
+    opts.workload = "wide" if opts.wide else "narrow"
+    workload = WORKLOADS[opts.workload]
     if opts.worker:
-        result = WORKERS[opts.worker](opts.method, opts.proj, opts.queries, opts.n_train)
-        print(json.dumps(result), flush=True)
+        print(json.dumps(run_worker(opts.worker, workload)), flush=True)
         return
-    start = time.perf_counter()
-    runs: dict[tuple[str, str, str, int], list[dict]] = {}
-    for _ in range(opts.repeats):
-        for method in METHODS:
-            for n_queries in QUERY_COUNTS:
-                for proj in ("full", "logra"):
-                    for library in WORKERS:
-                        python = sys.executable if library == "dattri_llm" else opts.peer_python
-                        if (library, proj) in UNSUPPORTED:
-                            result = {"skipped": UNSUPPORTED[library, proj]}
-                        else:
-                            extra = ["--method", method, "--n-train", str(opts.n_train)]
-                            result = run_child(python, library, proj, n_queries, __file__, extra)
-                        runs.setdefault((library, method, proj, n_queries), []).append(result)
-                        print(library, method, proj, n_queries, result, flush=True)
-    rows = [
-        {**aggregate(library, proj, q, results), "method": method}
-        for (library, method, proj, q), results in runs.items()
-    ]
-    Path(opts.out).write_text(
-        render(rows, opts.peer_python, time.perf_counter() - start, opts.n_train)
-    )
-    print(f"wrote {opts.out}")
+    if opts.profile:
+        profile(opts.profile, workload, opts.top)
+        return
+    configs = [c for c in opts.configs.split(",") if c]
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    for _ in range(opts.repeats):  # interleaved rounds, so background load hits all alike
+        for config in configs:
+            result = run_child(config, opts.wide)
+            runs[config].append(result)
+            print(config, result, flush=True)
+    out = Path(opts.out or RESULTS / f"throughput_kfac_{opts.workload}.md")
+    out.write_text(render(runs, workload, opts))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

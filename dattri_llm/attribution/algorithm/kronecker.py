@@ -41,12 +41,20 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from dattri_llm.attribution.algorithm._kfac_plan import (
+    DEFAULT_KEPT_GRADIENT_BUDGET as DEFAULT_KEPT_GRADIENT_BUDGET,
+)
+from dattri_llm.attribution.algorithm._kfac_plan import (
+    KeptPasses,
+    resolve_kept_budget,
+)
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.attribution.utils import normalize_layer_names
 from dattri_llm.gradient.callbacks.kronecker_covariance_callback import (
     KroneckerCovarianceCallback,
 )
 from dattri_llm.gradient.gradient import Factorized
+from dattri_llm.gradient.ops.dot import effective_dims
 from dattri_llm.gradient.ops.kronecker import (
     FisherAccumulator,
     KroneckerAccumulator,
@@ -55,6 +63,7 @@ from dattri_llm.gradient.ops.kronecker import (
     dense_inverse,
     ekfac_materialize,
     ekfac_precondition,
+    ekfac_rotation_prefers_factors,
     kfac_eigh,
     kfac_precondition,
     kfac_precondition_materialized,
@@ -224,6 +233,10 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         # the ones recorded for its train store do not fit it
         self._capture_time_covariances: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._unusable_covariances: str | None = None
+        # pass plan of the running call: bytes of first-pass blocks a live train source may
+        # keep (0 for stores and outside attribute), and the plan the last scoring pass ran
+        self._kept_budget = 0
+        self._pass_plan: dict[str, int] | None = None
 
     # ------------------------------------------------------------------ options
     def configure(
@@ -349,37 +362,54 @@ class KroneckerAttributor(BaseInnerProductAttributor):
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """First pass: ``{layer: (A, G)}`` for every K-FAC layer (+ dense Fisher accumulation).
 
-        Supplied covariances are used as given; the others are accumulated from
-        the factorized blocks. Supplied covariances whose widths disagree with
-        the stored factors raise ``ValueError`` naming the layer and shapes.
+        Supplied covariances are used as given; on a live source a
+        ``KroneckerCovarianceCallback`` records the others during this pass only
+        (each layer's rows once: the callback's layers are not accumulated again
+        from the blocks); on a store they are accumulated from the factorized
+        blocks. Supplied covariances whose widths disagree with the stored
+        factors raise ``ValueError`` naming the layer and shapes (checked once
+        per layer).
         """
         acc = KroneckerAccumulator()
         seen: dict[str, str] = {}
-        for _step, block, _ids in train_source:
-            layers = self.kfac_layers(block)
-            for name in layers:
-                seen[name] = block.layer_types[name]
-                self._check_covariance_widths(block, name)
-            acc.update(
-                block,
-                [
-                    n
-                    for n in layers
-                    if self.covariances_for(n) is None and block.representation[n] == "factorized"
-                ],
-            )
-            self.accumulate_fisher(fisher_acc, block)
-        acc.all_reduce()
-        fitted = acc.result(consume=True)
+        with self._capturing_covariances(train_source):
+            for _step, block, _ids in train_source:
+                layers = self.kfac_layers(block)
+                for name in layers:
+                    if name not in seen:
+                        seen[name] = block.layer_types[name]
+                        self._check_covariance_widths(block, name)
+                acc.update(block, self._block_fitted_layers(block, layers))
+                self.accumulate_fisher(fisher_acc, block)
+            acc.all_reduce()
+            fitted = acc.result(consume=True)
+            if self._capture_callback is not None:
+                self._capture_callback.all_reduce()
+                fitted.update(self._capture_callback.result())
         result = {}
         for name in seen:
             cov = self.covariances_for(name)
             if cov is None:
-                cov = fitted.get(name) or self.captured_covariances_for(name)
+                cov = fitted.get(name)
             if cov is not None:
                 result[name] = cov
         self._fitted_layer_types = {name: seen[name] for name in result}
         return result
+
+    def _block_fitted_layers(self, block: Gradient, layers: list[str]) -> list[str]:
+        """K-FAC layers whose covariances come from this block's factors.
+
+        Not those with supplied covariances, dense ones, nor those the live
+        capture callback already recorded (it saw this block's backward).
+        """
+        captured = self._capture_callback.layer_names if self._capture_callback is not None else ()
+        return [
+            n
+            for n in layers
+            if self.covariances_for(n) is None
+            and block.representation[n] == "factorized"
+            and n not in captured
+        ]
 
     def _check_covariance_widths(self, block: Gradient, name: str) -> None:
         """``ValueError`` if supplied covariances do not fit the layer's stored gradients."""
@@ -434,8 +464,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
                 "use a frozen probe or a gradient store, or fit first (fit / fisher_dir)."
             )
         fisher_acc = FisherAccumulator(max_params=self.direct_fim_max_params)
-        with self._capturing_covariances(train_source):
-            raw = self.fit_factors(train_source, fisher_acc)
+        raw = self.fit_factors(train_source, fisher_acc)
         fisher_acc.all_reduce()
         fisher = fisher_acc.result()
         if fisher_acc.skipped:
@@ -475,12 +504,6 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         finally:
             manager.callbacks.remove(callback)
             self._capture_callback = None
-
-    def captured_covariances_for(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Covariances recorded by the live capture callback of the running pass."""
-        if self._capture_callback is None:
-            return None
-        return self._capture_callback.result().get(name)
 
     def damp_fit(
         self, raw_fit: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]], damping: float
@@ -577,9 +600,43 @@ class KroneckerAttributor(BaseInnerProductAttributor):
 
     # ------------------------------------------------------------------ scoring hooks
     def prepare_scoring(self, train_source: GradientSource, test_source: GradientSource) -> None:
-        """Fit (or reuse the loaded fit) and damp it before the test side is transformed."""
+        """Fit (or reuse the loaded fit) and damp it before the test side is transformed.
+
+        The scoring pass that follows is the last over a planned train source:
+        it releases the kept blocks as it goes.
+        """
         if not self._identity_test:
             self._ensure_fit(train_source)
+        if isinstance(train_source, KeptPasses):
+            train_source.last_pass_next()
+
+    def score_sources(
+        self,
+        train_source: GradientSource,
+        test_source: GradientSource,
+        *,
+        loop_over_test: bool = False,
+        transform_test: Callable[[Gradient], Gradient] | None = None,
+        attribution_granularity: str = "instance",
+    ) -> tuple:
+        """Base scoring over the train source wrapped in a pass plan (:class:`KeptPasses`).
+
+        A live source (one that runs the model) keeps the longest suffix of its
+        first-pass blocks within ``kept_gradient_budget`` bytes and replays them
+        in the EK-FAC eigenvalue and scoring passes; a store is re-read (budget
+        0). The plan run is recorded as ``algorithm_meta["pass_plan"]``.
+        """
+        live = getattr(train_source, "hook_manager", None) is not None
+        planned = KeptPasses(train_source, self._kept_budget if live else 0)
+        result = super().score_sources(
+            planned,
+            test_source,
+            loop_over_test=loop_over_test,
+            transform_test=transform_test,
+            attribution_granularity=attribution_granularity,
+        )
+        self._pass_plan = planned.plan()
+        return result
 
     def transform_test_rep(self, block: Gradient) -> Gradient:
         """``F⁻¹`` applied to every preconditioned layer; other layers are dropped."""
@@ -627,6 +684,8 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         meta = dict(algorithm_meta or {})
         if self.raw_fit is not None:
             meta.setdefault("direct_fim_layers", sorted(self.raw_fit[1]))
+        if self._pass_plan is not None:
+            meta.setdefault("pass_plan", dict(self._pass_plan))
         return super().build_score(
             scores,
             row_train_ids,
@@ -654,6 +713,8 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         self._fisher_dir_to_write = None
         self._identity_test = False
         self._warned = set()
+        self._kept_budget = 0
+        self._pass_plan = None
 
     def _use_fisher_dir(self, fisher_dir: str | Path | None) -> None:
         """Load the fit in ``fisher_dir`` if present, else write this call's fit there."""
@@ -930,13 +991,19 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         factor_cache_residency: str | None = None,
         covariances_at_capture: bool = True,
         fisher_dir: str | None = None,
+        kept_gradient_budget: int | None = None,
     ) -> AttributionScore:
         """Run the model (frozen probes) and score with the fitted curvature.
 
-        Residency ``None`` re-runs the model for each pass (fit, EK-FAC
-        eigenvalues, scoring); otherwise each side is collected once (with
-        ``covariances_at_capture`` a ``KroneckerCovarianceCallback`` on the train
-        collection records ``(A, G)``, saved beside a disk train store).
+        Residency ``None`` (live): the first pass over the training set keeps
+        the longest suffix of its gradient blocks that fits
+        ``kept_gradient_budget`` bytes (extension; ``None`` =
+        ``DEFAULT_KEPT_GRADIENT_BUDGET``, 1 GiB; 0 keeps nothing) and the later
+        passes (EK-FAC eigenvalues, scoring) re-run the model only for the
+        blocks before it; the scores do not depend on the budget. Otherwise each
+        side is collected once (with ``covariances_at_capture`` a
+        ``KroneckerCovarianceCallback`` on the train collection records
+        ``(A, G)``, saved beside a disk train store).
         """
         options = {
             "damping": damping,
@@ -947,11 +1014,13 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             "covariances_at_capture": covariances_at_capture,
         }
         self._start_call(options, None, None)
+        budget = resolve_kept_budget(kept_gradient_budget)
         _require_factors_or_capture_covariances(hook_config, covariances_at_capture, self.algorithm)
         self._collect_covariances = covariances_at_capture and gradient_cache_residency is not None
         self._recorder = self._recorded = None
         if gradient_cache_residency is None:
             self._use_fisher_dir(fisher_dir)
+            self._kept_budget = budget
         try:
             return super().attribute(
                 train_dataset,
@@ -967,6 +1036,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         finally:
             self._collect_covariances = False
             self._recorder = self._recorded = None
+            self._kept_budget = 0
 
     def generate_train_rep(
         self,
@@ -1069,6 +1139,18 @@ def _to(value: Any, device: torch.device) -> Any:
     return value
 
 
+def _rotate_factors(
+    value: Factorized, layer_type: str, u_a: torch.Tensor, u_g: torch.Tensor
+) -> bool:
+    """Whether the EK-FAC rotation of a factorized layer is cheaper on its factors.
+
+    ``ops.ekfac_rotation_prefers_factors`` with the layer's token count and the
+    eigenbasis widths (bias column included).
+    """
+    _batch, tokens, _k, _d = effective_dims(value, layer_type)
+    return ekfac_rotation_prefers_factors(tokens, u_a.shape[0], u_g.shape[0])
+
+
 def _matmul_checked(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``rows @ inverse`` (symmetric inverse) after checking the width."""
     if rows.shape[1] != inverse.shape[0]:
@@ -1121,9 +1203,13 @@ class KFACAttributor(KroneckerAttributor):
 class EKFACAttributor(KroneckerAttributor):
     """EK-FAC influence (``algorithm="EKFAC"``): K-FAC eigenbases with corrected eigenvalues.
 
-    ``mode="exact"`` rotates materialized train gradients, ``"approx"`` rotates
-    the factors before materializing; both give identical scores and the mode
-    is recorded with a persisted fit. Tied weights are scored per use site.
+    The eigenvalue pass rotates each factorized train layer either on its
+    factors (``aᵀU_A``, ``U_Gᵀg`` per token, then materialized) or after
+    materializing it, whichever costs fewer FLOPs
+    (``ops.kronecker.ekfac_rotation_prefers_factors``); both routes give the
+    same scores. ``mode`` (``"exact"``/``"approx"``, identical scores) is
+    validated and recorded with a persisted fit. Tied weights are scored per
+    use site.
     """
 
     algorithm: ClassVar[str] = "EKFAC"
@@ -1162,7 +1248,7 @@ class EKFACAttributor(KroneckerAttributor):
                 if name not in bases:
                     continue
                 coords = self._eigen_coordinates(block, name, *bases[name])
-                squared = (coords**2).sum(dim=0)
+                squared = coords.square_().sum(dim=0)
                 sums[name] = squared if name not in sums else sums[name] + squared.to(sums[name])
                 counts[name] = counts.get(name, 0) + coords.shape[0]
         factors = {}
@@ -1197,7 +1283,7 @@ class EKFACAttributor(KroneckerAttributor):
         value, layer_type = block.data[name], block.layer_types[name]
         if isinstance(value, torch.Tensor):
             value = _token_summed_rows(value)
-        elif self.mode == "exact":
+        elif not _rotate_factors(value, layer_type, u_a, u_g):
             value = materialize(value, layer_type)
         device = value.device if isinstance(value, torch.Tensor) else value.activation.device
         try:

@@ -93,6 +93,11 @@ class KroneckerCovarianceCallback(HookManagerCallback):
         for name in sorted(self._accumulators):
             self._accumulators[name].all_reduce()
 
+    @property
+    def layer_names(self) -> frozenset[str]:
+        """Layers this callback accumulates covariances for (a backward of each was seen)."""
+        return frozenset(self._accumulators)
+
     def result(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{layer: (A, G)}`` normalised and undamped; layers without kept rows omitted."""
         return {

@@ -117,8 +117,9 @@ def kfac_rows(
     a, g = _preprocessed_3d(a, g, layer_type, module_kwargs, include_bias)
     a_rows, g_rows = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
     if not _keeps_zero_rows(layer_type):
-        kept = g_rows.ne(0).any(dim=1)
-        a_rows, g_rows = a_rows[kept], g_rows[kept]
+        kept = g_rows.any(dim=1)  # one pass over g; rows are copied only when one is dropped
+        if not bool(kept.all()):
+            a_rows, g_rows = a_rows[kept], g_rows[kept]
     return a_rows, g_rows
 
 
@@ -363,6 +364,16 @@ def kfac_eigh(A: Tensor, G: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return s_a, u_a, s_g, u_g
 
 
+def ekfac_rotation_prefers_factors(S: int, K: int, D: int) -> bool:
+    """Whether rotating the factors beats rotating the materialized gradient (FLOPs per sample).
+
+    Both routes form ``vec(U_Gᵀ·dW·U_A)`` and materialize ``S·K·D``; rotating the
+    ``S`` token rows costs ``S·(K² + D²)`` (``aᵀU_A``, ``U_Gᵀg`` per token), rotating
+    the ``(D, K)`` gradient ``K·D·(K + D)``. Ties go to the factors.
+    """
+    return S * (K * K + D * D) <= K * D * (K + D)
+
+
 def ekfac_materialize_factors(
     a: Tensor,
     g: Tensor,
@@ -490,20 +501,20 @@ class LayerKroneckerAccumulator:
         a_rows, g_rows = kfac_rows(a, g, layer_type, module_kwargs, include_bias)
         if a_rows.shape[0] == 0:
             return
-        a_cov, g_cov = a_rows.T @ a_rows, g_rows.T @ g_rows
         if self.a_sum is None:
-            self.a_sum, self.g_sum = a_cov, g_cov
+            self.a_sum, self.g_sum = a_rows.T @ a_rows, g_rows.T @ g_rows
         else:
-            self._check_widths(a_cov, g_cov, layer_type)
-            self.a_sum += a_cov.to(self.a_sum)
-            self.g_sum += g_cov.to(self.g_sum)
+            self._check_widths(a_rows.shape[1], g_rows.shape[1], layer_type)
+            self.a_sum.addmm_(a_rows.T.to(self.a_sum), a_rows.to(self.a_sum))
+            self.g_sum.addmm_(g_rows.T.to(self.g_sum), g_rows.to(self.g_sum))
         self.rows += a_rows.shape[0]
 
-    def _check_widths(self, a_cov: Tensor, g_cov: Tensor, layer_type: str) -> None:
-        if a_cov.shape != self.a_sum.shape or g_cov.shape != self.g_sum.shape:
+    def _check_widths(self, k: int, d: int, layer_type: str) -> None:
+        """``ValueError`` unless a batch of widths ``(K, D)`` fits the accumulated sums."""
+        if (k, k) != tuple(self.a_sum.shape) or (d, d) != tuple(self.g_sum.shape):
             raise ValueError(
                 f"LayerKroneckerAccumulator({layer_type}): batch covariances "
-                f"{tuple(a_cov.shape)}/{tuple(g_cov.shape)} differ from the accumulated "
+                f"{(k, k)}/{(d, d)} differ from the accumulated "
                 f"{tuple(self.a_sum.shape)}/{tuple(self.g_sum.shape)}; feed one layer only."
             )
 

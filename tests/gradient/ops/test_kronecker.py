@@ -28,6 +28,7 @@ from dattri_llm.gradient.ops.kronecker import (
     ekfac_materialize,
     ekfac_materialize_factors,
     ekfac_precondition,
+    ekfac_rotation_prefers_factors,
     fim,
     fim_factors,
     kfac,
@@ -192,6 +193,14 @@ def test_ekfac_materialize_dense_equals_factorized():
     _, U_A, _, U_G = kfac_eigh(*kfac_factors(x, r, layer_type, kw))
     from_factors = ekfac_materialize(Factorized(x, r, kw), layer_type, U_A, U_G)
     torch.testing.assert_close(ekfac_materialize(grads, layer_type, U_A, U_G), from_factors)
+
+
+def test_ekfac_rotation_route_by_flops():
+    # factors: S·(K²+D²); dense: K·D·(K+D)
+    assert ekfac_rotation_prefers_factors(S=128, K=129, D=384)  # 20.9M <= 25.4M
+    assert not ekfac_rotation_prefers_factors(S=1024, K=129, D=384)  # 168M > 25.4M
+    assert ekfac_rotation_prefers_factors(S=2, K=2, D=2)  # tie: 16 = 16 goes to the factors
+    assert not ekfac_rotation_prefers_factors(S=4, K=2, D=2)  # 32 > 16
 
 
 def test_ekfac_with_kfac_eigenvalues_equals_undamped_kfac():

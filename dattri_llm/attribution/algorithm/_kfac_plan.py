@@ -1,0 +1,160 @@
+"""Pass planning of the curvature attributors: keep first-pass training gradients in a budget.
+
+K-FAC reads the training gradients twice (covariances, scoring), EK-FAC three
+times (covariances, eigenvalue correction, scoring). On the live path every
+read re-runs the model. :class:`KeptPasses` wraps such a train source: its
+first pass keeps the longest *suffix* of blocks whose bytes fit the budget;
+every later pass re-runs the source only for the blocks before that suffix,
+closes it there (the kept blocks are never recomputed) and replays the kept
+blocks. The blocks are the ones of the first pass, so every pass yields the
+same gradients in the same order and the scores do not depend on the plan.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dattri_llm.gradient.gradient import Gradient
+    from dattri_llm.gradient.streaming import GradientSource
+
+DEFAULT_KEPT_GRADIENT_BUDGET = 1 << 30  # 1 GiB: fixed, independent of the free memory
+
+StreamBatch = tuple[int, "Gradient", list[str]]
+
+
+def resolve_kept_budget(budget: int | None) -> int:
+    """Budget in bytes: ``None`` → :data:`DEFAULT_KEPT_GRADIENT_BUDGET`; < 0 → ``ValueError``."""
+    if budget is None:
+        return DEFAULT_KEPT_GRADIENT_BUDGET
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ValueError(
+            f"kept_gradient_budget must be None (the default of {DEFAULT_KEPT_GRADIENT_BUDGET} "
+            f"bytes) or an int >= 0 of bytes (0 re-runs the model for every pass), got {budget!r}."
+        )
+    return budget
+
+
+class KeptPasses:
+    """A reusable train source whose later passes replay the first pass's kept blocks.
+
+    Args:
+        source: a ``reusable`` source (a frozen probe) yielding the same blocks
+            every pass.
+        budget: bytes of blocks (``Gradient.nbytes``) that may be kept; a
+            block larger than the budget is never kept (0: re-run every pass).
+
+    Other attributes (``hook_manager``, ``__len__``) are those of ``source``.
+    Call :meth:`last_pass_next` before the final pass: it releases each kept
+    block once yielded.
+    """
+
+    def __init__(self, source: GradientSource, budget: int) -> None:
+        self.source = source
+        self.budget = budget
+        self._kept: deque[StreamBatch] = deque()
+        self.kept_bytes = 0
+        self.total_blocks: int | None = None
+        self.passes = 0
+        self.source_passes = 0
+        self.recomputed_blocks = 0
+        self._kept_count = 0
+        self._release = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "source":  # not yet set: no recursion through __getattr__
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @property
+    def reusable(self) -> bool:
+        """The wrapped source's ``reusable``."""
+        return bool(getattr(self.source, "reusable", False))
+
+    def last_pass_next(self) -> None:
+        """Release each kept block as the next pass yields it (the final pass)."""
+        self._release = True
+
+    def plan(self) -> dict[str, int]:
+        """The passes run so far.
+
+        ``{"passes", "source_passes", "kept_blocks", "kept_bytes",
+        "recomputed_blocks", "budget_bytes"}``: passes over the training
+        gradients, those that read the source (ran the model, or read the store)
+        for at least one block, blocks (bytes) kept from the first pass, blocks
+        the later passes read again, and the budget.
+        """
+        return {
+            "passes": self.passes,
+            "source_passes": self.source_passes,
+            "kept_blocks": self._kept_count,
+            "kept_bytes": self.kept_bytes,
+            "recomputed_blocks": self.recomputed_blocks,
+            "budget_bytes": self.budget,
+        }
+
+    def __iter__(self) -> Iterator[StreamBatch]:
+        self.passes += 1
+        if self.total_blocks is None:
+            return self._first_pass()
+        return self._replay()
+
+    def _first_pass(self) -> Iterator[StreamBatch]:
+        """Run the source; keep the longest suffix of blocks within the budget."""
+        self.source_passes += 1
+        self._kept.clear()
+        self.kept_bytes = 0
+        count = 0
+        for item in self.source:
+            count += 1
+            yield item
+            self._keep(item)
+            del item
+        self.total_blocks = count
+        self._kept_count = len(self._kept)
+
+    def _keep(self, item: StreamBatch) -> None:
+        """Append a block, then drop the oldest kept ones until the budget holds."""
+        if item[1].nbytes > self.budget:
+            self._kept.clear()
+            self.kept_bytes = 0
+            return
+        self._kept.append(item)
+        self.kept_bytes += item[1].nbytes
+        while self.kept_bytes > self.budget:
+            self.kept_bytes -= self._kept.popleft()[1].nbytes
+
+    def _replay(self) -> Iterator[StreamBatch]:
+        """Re-run the blocks before the kept suffix, then yield the kept blocks."""
+        recompute = self.total_blocks - self._kept_count
+        if recompute > 0:
+            self.source_passes += 1
+            self.recomputed_blocks += recompute
+            yield from _first_blocks(self.source, recompute)
+        if self._release:
+            while self._kept:
+                item = self._kept.popleft()
+                yield item
+                del item
+        else:
+            yield from list(self._kept)
+
+
+def _first_blocks(source: GradientSource, count: int) -> Iterator[StreamBatch]:
+    """The first ``count`` blocks of a pass over ``source``; the pass is closed after them."""
+    iterator = iter(source)
+    try:
+        for index, item in enumerate(iterator):
+            yield item
+            del item
+            if index + 1 >= count:
+                break
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,204 @@
+"""Pass planning of K-FAC / EK-FAC: kept, re-run and part-kept first-pass gradients.
+
+Every plan must give the scores of explicit dense curvature operators built in
+the test (``kfac_helpers``), at instance and token level, and the same scores
+as each other; the plan run is recorded in ``algorithm_meta["pass_plan"]``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attribution_helpers import MLP, MLP_LAYERS, mlp_data, mlp_loss
+from kfac_helpers import (
+    dict_loss,
+    dict_samples,
+    linear_kronecker_scores,
+    linear_kronecker_token_scores,
+)
+
+from dattri_llm.attribution.algorithm._kfac_plan import (
+    DEFAULT_KEPT_GRADIENT_BUDGET,
+    KeptPasses,
+)
+from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
+from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.task import AttributionTask
+
+N_TRAIN, N_TEST, BATCH, DAMPING = 6, 3, 2, 0.05
+METHODS = [(KFACAttributor, "kfac", 2), (EKFACAttributor, "ekfac", 3)]  # (cls, method, passes)
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = MLP()
+    train, test = mlp_data(N_TRAIN, 1), mlp_data(N_TEST, 2)
+    return model, train, test
+
+
+def _attribute(tmp_path, cls, model, train, test, budget, granularity="instance"):
+    args = AttributionArguments(
+        output_dir=str(tmp_path / f"{budget}_{granularity}"),
+        use_cpu=True,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=2,
+    )
+    attributor = cls(args, task=AttributionTask(dict_loss, model))
+    return attributor.attribute(
+        dict_samples(train),
+        dict_samples(test),
+        damping=DAMPING,
+        kept_gradient_budget=budget,
+        attribution_granularity=granularity,
+    )
+
+
+def _reference(model, train, test, method, token=False):
+    model64 = MLP().double()
+    model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    train64 = tuple(t.double() for t in train)
+    test64 = tuple(t.double() for t in test)
+    fn = linear_kronecker_token_scores if token else linear_kronecker_scores
+    return fn(model64, MLP_LAYERS, mlp_loss, train64, test64, method, DAMPING)
+
+
+def _close(got, expected):
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize(("cls", "method", "passes"), METHODS)
+def test_kept_rerun_and_part_kept_plans_score_identically(tmp_path, cls, method, passes):
+    model, train, test = _setup()
+    expected = _reference(model, train, test, method)
+    kept = _attribute(tmp_path, cls, model, train, test, None)
+    plan = kept.algorithm_meta["pass_plan"]
+    blocks = N_TRAIN // BATCH
+    assert plan["passes"] == passes and plan["source_passes"] == 1
+    assert plan["kept_blocks"] == blocks and plan["recomputed_blocks"] == 0
+    assert plan["budget_bytes"] == DEFAULT_KEPT_GRADIENT_BUDGET
+    block_bytes = plan["kept_bytes"] // blocks
+    _close(kept.scores, expected)
+
+    rerun = _attribute(tmp_path, cls, model, train, test, 0)
+    assert rerun.algorithm_meta["pass_plan"]["source_passes"] == passes
+    assert rerun.algorithm_meta["pass_plan"]["kept_bytes"] == 0
+    _close(rerun.scores, expected)
+    torch.testing.assert_close(rerun.scores, kept.scores, rtol=1e-6, atol=0)
+
+    part = _attribute(tmp_path, cls, model, train, test, block_bytes + 1)  # one block fits
+    plan = part.algorithm_meta["pass_plan"]
+    assert (plan["kept_blocks"], plan["kept_bytes"]) == (1, block_bytes)
+    assert plan["source_passes"] == passes
+    assert plan["recomputed_blocks"] == (blocks - 1) * (passes - 1)
+    torch.testing.assert_close(part.scores, kept.scores, rtol=1e-6, atol=0)
+    assert part.train_ids == kept.train_ids == rerun.train_ids
+
+
+@pytest.mark.parametrize(("cls", "method", "passes"), METHODS)
+def test_budget_below_one_block_runs_the_rerun_plan(tmp_path, cls, method, passes):
+    model, train, test = _setup()
+    kept = _attribute(tmp_path, cls, model, train, test, None)
+    block_bytes = kept.algorithm_meta["pass_plan"]["kept_bytes"] // (N_TRAIN // BATCH)
+    small = _attribute(tmp_path, cls, model, train, test, block_bytes - 1)
+    plan = small.algorithm_meta["pass_plan"]
+    assert (plan["kept_blocks"], plan["kept_bytes"]) == (0, 0)
+    assert plan["source_passes"] == passes == plan["passes"]
+    torch.testing.assert_close(small.scores, kept.scores, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(("cls", "method", "passes"), METHODS)
+def test_token_scores_identical_under_every_plan(tmp_path, cls, method, passes):
+    model, train, test = _setup()
+    expected = _reference(model, train, test, method, token=True)  # (N, T, n_test)
+    tokens = expected.shape[1]
+    results = [
+        _attribute(tmp_path, cls, model, train, test, budget, "token")
+        for budget in (None, 0, 500)  # all kept, re-run, one block of 408 bytes kept
+    ]
+    assert results[2].algorithm_meta["pass_plan"]["kept_blocks"] == 1
+    for score in results:
+        _close(score.scores.reshape(N_TRAIN, tokens, N_TEST), expected)
+        torch.testing.assert_close(score.scores, results[0].scores, rtol=1e-6, atol=0)
+    assert results[1].algorithm_meta["pass_plan"]["source_passes"] == passes
+
+
+@pytest.mark.parametrize(("cls", "method", "passes"), METHODS)
+def test_covariances_accumulated_once_per_layer_and_batch(
+    tmp_path, cls, method, passes, monkeypatch
+):
+    from dattri_llm.gradient.ops import kronecker as ops_kronecker
+
+    calls = []
+    original = ops_kronecker.LayerKroneckerAccumulator.update
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[2])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ops_kronecker.LayerKroneckerAccumulator, "update", counted)
+    model, train, test = _setup()
+    score = _attribute(tmp_path, cls, model, train, test, 0)  # every pass re-runs the model
+    assert score.algorithm_meta["pass_plan"]["source_passes"] == passes
+    assert len(calls) == len(MLP_LAYERS) * (N_TRAIN // BATCH)
+
+
+@pytest.mark.parametrize("factors", [True, False])
+def test_ekfac_rotation_routes_give_identical_scores(tmp_path, factors, monkeypatch):
+    from dattri_llm.attribution.algorithm import kronecker
+
+    routes = []
+    monkeypatch.setattr(
+        kronecker,
+        "ekfac_rotation_prefers_factors",
+        lambda s, k, d: routes.append((s, k, d)) or factors,
+    )
+    model, train, test = _setup()
+    score = _attribute(tmp_path, EKFACAttributor, model, train, test, None)
+    assert routes  # the eigenvalue pass asked the cost rule for each factorized layer
+    _close(score.scores, _reference(model, train, test, "ekfac"))
+
+
+def test_kept_passes_replay_without_recomputing_the_kept_suffix():
+    class Source:
+        reusable = True
+
+        def __init__(self):
+            self.produced = []
+
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            for i in range(4):
+                self.produced.append(i)
+                yield i, _Block(100), [str(i)]
+
+    source = Source()
+    planned = KeptPasses(source, budget=250)  # the last two blocks fit
+    assert [s for s, _, _ in planned] == [0, 1, 2, 3]
+    assert [s for s, _, _ in planned] == [0, 1, 2, 3]
+    planned.last_pass_next()
+    assert [s for s, _, _ in planned] == [0, 1, 2, 3]
+    assert source.produced == [0, 1, 2, 3, 0, 1, 0, 1]  # blocks 2, 3 never recomputed
+    assert planned.plan() == {
+        "passes": 3,
+        "source_passes": 3,
+        "kept_blocks": 2,
+        "kept_bytes": 200,
+        "recomputed_blocks": 4,
+        "budget_bytes": 250,
+    }
+    assert len(planned) == 4 and planned.reusable
+
+
+class _Block:
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_bad_budget_is_refused(tmp_path, bad):
+    model, train, test = _setup()
+    with pytest.raises(ValueError, match="kept_gradient_budget must be None"):
+        _attribute(tmp_path, KFACAttributor, model, train, test, bad)

@@ -1,0 +1,477 @@
+"""Method tour: every attributor of dattri_llm on one captured training run.
+
+A tiny GPT-2 (built from a config, no download) is trained with AdamW on the
+five-topic corpus of ``examples/quickstart_corpus.py``. The run is captured
+ONCE, by hooks around the unchanged training loop:
+
+* ``trajectory/``: raw per-sample gradients of every captured step
+  (``HookManager`` + ``OffloadCallback``), the Adam moments before and after
+  every update (``OptimizerStateCallback``, ``record_post`` after each
+  ``optimizer.step()``) and ``lr_schedule.json`` (``write_lr_schedule``);
+* ``trajectory_preconditioned/``: the same steps captured preconditioned by
+  the optimizer (``HookManager(optimizer=...)``: each sample's Adam update
+  direction, LESS's train side), a second manager on the same run;
+* ``final_train/``: the training sentences' gradients at the final weights
+  ``θ_T`` (one frozen pass, no update), for the single-checkpoint methods;
+* ``queries/``: the query sentences' raw gradients at ``θ_T``.
+
+Then every method is scored from those stores on the same queries (no model
+needed) and one table is printed: seconds, peak memory, and for how many
+queries the top proponent (the training sentence with the most helpful score)
+shares the query's topic. Chance is about 1 in 5.
+
+Every loss is a SUM over the batch of each sentence's mean token loss, so a
+captured per-sample gradient is that sentence's own gradient (README, "Loss
+reduction"); the trajectory methods are told so with ``loss_reduction="sum"``.
+
+Run:  python examples/attribution/method_tour.py [--epochs 12 --captured-epochs 2 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from dattri_llm import (
+    AdamWInfluenceAttributor,
+    AttributionArguments,
+    AttributionScore,
+    DVEmbAttributor,
+    EKFACAttributor,
+    GradientStorageManager,
+    HookManager,
+    HookManagerConfig,
+    KFACAttributor,
+    LESSAttributor,
+    OffloadCallback,
+    OptimizerStateCallback,
+    TracInAttributor,
+    hash_sample,
+)
+from dattri_llm.attribution.utils import write_lr_schedule
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from quickstart import MAX_LEN, WordTokenizer, loss_fn  # noqa: E402  (summed loss)
+from quickstart_corpus import CORPUS, QUERIES  # noqa: E402
+
+# Hooked (and scored) layers: the MLPs of the transformer blocks and the output head.
+HOOKED_LAYERS = [r"\.mlp\.", r"^lm_head$"]
+# AdamWInfluenceAttributor's rows are −qᵀW·push(g), ``push`` being the change of the
+# optimizer state when the sample is REMOVED: a helpful sample scores NEGATIVE. Every
+# other method scores helpful samples positive. The tour multiplies each method's
+# scores by its sign so that the top proponent is always the largest score.
+ADAMW_SIGN = -1.0
+
+
+@dataclass(frozen=True)
+class Tour:
+    """Sizes and hyperparameters of the run."""
+
+    epochs: int = 12
+    captured_epochs: int = 2
+    num_queries: int = len(QUERIES)
+    n_embd: int = 64
+    batch_size: int = 16
+    learning_rate: float = 1e-2
+    weight_decay: float = 0.01
+    damping: float = 0.1  # K-FAC / EK-FAC: relative to the mean eigenvalue
+    seed: int = 0
+
+
+@dataclass
+class Stores:
+    """The captured run: store directories, the Adam dynamics and the per-step learning rates."""
+
+    root: Path
+    dynamics: Mapping[int, dict]
+    lrs: dict[int, float]
+
+    @property
+    def trajectory(self) -> Path:
+        """Raw per-sample gradients of every captured step."""
+        return self.root / "trajectory"
+
+    @property
+    def preconditioned(self) -> Path:
+        """Per-sample Adam update directions of the same steps."""
+        return self.root / "trajectory_preconditioned"
+
+    @property
+    def final_train(self) -> Path:
+        """Training-sentence gradients at ``θ_T``."""
+        return self.root / "final_train"
+
+    @property
+    def queries(self) -> Path:
+        """Query gradients at ``θ_T``."""
+        return self.root / "queries"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the printed table."""
+
+    method: str
+    source: str
+    seconds: float
+    peak_mib: float
+    hits: int
+    num_queries: int
+
+    @property
+    def topic_match(self) -> str:
+        """``"hits/queries"``, e.g. ``"8/10"``."""
+        return f"{self.hits}/{self.num_queries}"
+
+
+# ---------------------------------------------------------------------------- model and data
+def make_model(tour: Tour, vocab_size: int) -> GPT2LMHeadModel:
+    """A two-block GPT-2 from a config: untied head, no dropout."""
+    torch.manual_seed(tour.seed)
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=MAX_LEN,
+        n_embd=tour.n_embd,
+        n_layer=2,
+        n_head=2,
+        tie_word_embeddings=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def offloading(model: torch.nn.Module, directory: Path, **kwargs) -> HookManager:
+    """A ``HookManager`` writing every backward's per-sample gradients to a fresh store."""
+    store = GradientStorageManager(str(directory))
+    offload = OffloadCallback(offload_interval=1, file_manager=store, recording_type="per_sample")
+    config = HookManagerConfig(linear_io=HOOKED_LAYERS)
+    return HookManager(model, config=config, callbacks=[offload], **kwargs)
+
+
+def frozen_pass(model: torch.nn.Module, samples: list[dict], store: Path, batch_size: int) -> None:
+    """Capture the gradients of ``samples`` at the current weights into ``store`` (no update)."""
+    model.eval()
+    with offloading(model, store).collect(deregister_on_exit=True):
+        for start in range(0, len(samples), batch_size):
+            batch = torch.utils.data.default_collate(samples[start : start + batch_size])
+            loss_fn(model, batch).backward()
+    model.zero_grad(set_to_none=True)
+    model.train()
+
+
+# ---------------------------------------------------------------------------- the captured run
+def train_and_capture(
+    model: torch.nn.Module,
+    train_set: list[dict],
+    query_set: list[dict],
+    tour: Tour,
+    root: Path,
+) -> Stores:
+    """Train with AdamW (linearly decaying lr); capture the last epochs and ``θ_T``."""
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=tour.learning_rate, weight_decay=tour.weight_decay
+    )
+    loader = torch.utils.data.DataLoader(
+        train_set,
+        batch_size=tour.batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(tour.seed),
+    )
+    total = tour.epochs * len(loader)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1.0 - 0.9 * t / total)
+    stores = Stores(root=root, dynamics={}, lrs={})
+
+    def one_epoch(after_step: Callable[[], None] = lambda: None) -> None:
+        for batch in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()  # summed loss
+            optimizer.step()
+            after_step()
+            schedule.step()
+
+    model.train()
+    for _ in range(tour.epochs - tour.captured_epochs):
+        one_epoch()
+
+    raw = offloading(model, stores.trajectory)
+    states = OptimizerStateCallback(model, optimizer)
+    raw.add_callback(states)
+    preconditioned = offloading(model, stores.preconditioned, optimizer=optimizer)
+
+    def record_step() -> None:
+        step = raw.steps_collected - 1  # the step the backward just completed
+        states.record_post(step)
+        stores.lrs[step] = optimizer.param_groups[0]["lr"]
+
+    with raw.collect(deregister_on_exit=True), preconditioned.collect(deregister_on_exit=True):
+        for _ in range(tour.captured_epochs):
+            one_epoch(record_step)
+    for directory in (stores.trajectory, stores.preconditioned):
+        write_lr_schedule(directory, stores.lrs)
+    stores.dynamics = states.dynamics()
+
+    frozen_pass(model, train_set, stores.final_train, tour.batch_size)
+    frozen_pass(model, query_set, stores.queries, len(query_set))
+    return stores
+
+
+# ---------------------------------------------------------------------------- the methods
+def arguments(tour: Tour, root: Path) -> AttributionArguments:
+    """CPU scoring arguments with a throwaway output directory."""
+    return AttributionArguments(
+        output_dir=tempfile.mkdtemp(dir=root, prefix="scores_"), use_cpu=True, seed=tour.seed
+    )
+
+
+def lr_weighted(score: AttributionScore, lrs: Mapping[int, float]) -> AttributionScore:
+    """``score`` with every row multiplied by the learning rate of its step (TracIn)."""
+    weights = torch.tensor([lrs[s] for s in score.row_steps], dtype=score.scores.dtype)
+    score.scores = score.scores * weights[:, None]
+    return score
+
+
+def grad_dot(stores: Stores, tour: Tour) -> AttributionScore:
+    """``<g_i(θ_T), q(θ_T)>``."""
+    attributor = TracInAttributor(arguments(tour, stores.root))
+    return attributor.attribute_from_cache(stores.final_train, stores.queries)
+
+
+def grad_cos(stores: Stores, tour: Tour) -> AttributionScore:
+    """``cos(g_i(θ_T), q(θ_T))``."""
+    attributor = TracInAttributor(arguments(tour, stores.root))
+    return attributor.attribute_from_cache(stores.final_train, stores.queries, normalized_grad=True)
+
+
+def tracin(stores: Stores, tour: Tour) -> AttributionScore:
+    """``Σ_t η_t <g_i(θ_t), q(θ_T)>`` over the captured steps (queries at ``θ_T`` only)."""
+    attributor = TracInAttributor(arguments(tour, stores.root))
+    score = attributor.attribute_from_cache(stores.trajectory, stores.queries)
+    return lr_weighted(score, stores.lrs)
+
+
+def kronecker(cls: type) -> Callable[[Stores, Tour], AttributionScore]:
+    """K-FAC / EK-FAC influence ``g_i(θ_T)ᵀ (F + λI)⁻¹ q(θ_T)``, Fisher of the training set."""
+
+    def score(stores: Stores, tour: Tour) -> AttributionScore:
+        attributor = cls(arguments(tour, stores.root))
+        return attributor.attribute_from_cache(
+            stores.final_train, stores.queries, damping=tour.damping, relative_damping=True
+        )
+
+    score.__doc__ = f"{cls.__name__} scores (relative damping)."
+    return score
+
+
+def less(stores: Stores, tour: Tour) -> AttributionScore:
+    """``Σ_t η_t cos(Γ(z_i; θ_t), q(θ_T))``; ``η_t`` from ``lr_schedule.json``."""
+    attributor = LESSAttributor(arguments(tour, stores.root))
+    return attributor.attribute_from_cache(stores.preconditioned, stores.queries)
+
+
+def adamw_influence(stores: Stores, tour: Tour) -> AttributionScore:
+    """AdamW-influence through the recorded Adam dynamics (query-side sweep); helpful < 0."""
+    attributor = AdamWInfluenceAttributor(arguments(tour, stores.root))
+    return attributor.attribute_from_cache(
+        stores.trajectory,
+        stores.queries,
+        dynamics=stores.dynamics,
+        loss_reduction="sum",
+        propagation="test",
+    )
+
+
+def dvemb(stores: Stores, tour: Tour) -> AttributionScore:
+    """DVEmb ``η_s qᵀ Π_k (I − η_k H_k) g`` (full Hessian, query-side sweep)."""
+    attributor = DVEmbAttributor(arguments(tour, stores.root))
+    return attributor.attribute_from_cache(
+        stores.trajectory,
+        stores.queries,
+        propagation="test",
+        hessian_mode="full",
+        loss_reduction="sum",
+        learning_rate=None,  # the recorded schedule (lr_schedule.json)
+    )
+
+
+@dataclass(frozen=True)
+class Method:
+    """A table entry: how to score, what it reads, and the sign that makes "helpful" positive."""
+
+    score: Callable[[Stores, Tour], AttributionScore]
+    source: str
+    sign: float = 1.0
+
+
+METHODS: dict[str, Method] = {
+    "Grad-Dot": Method(grad_dot, "theta_T"),
+    "Grad-Cos": Method(grad_cos, "theta_T"),
+    "TracIn": Method(tracin, "trajectory"),
+    "K-FAC": Method(kronecker(KFACAttributor), "theta_T"),
+    "EK-FAC": Method(kronecker(EKFACAttributor), "theta_T"),
+    "LESS": Method(less, "trajectory (preconditioned)"),
+    "AdamW-influence": Method(adamw_influence, "trajectory + Adam moments", ADAMW_SIGN),
+    "DVEmb": Method(dvemb, "trajectory"),
+}
+
+
+# ---------------------------------------------------------------------------- measuring
+def _rss_kib(field: str) -> int | None:
+    """``VmRSS`` / ``VmHWM`` of this process in KiB (``None`` off Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Return freed heap to the OS, then reset the peak RSS to the current RSS (Linux only)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc: freed memory would hide new peaks
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _max_rss_kib() -> int:
+    """``resource.getrusage`` peak RSS in KiB (macOS reports bytes, Linux KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak
+
+
+MEMORY_NOTE = (
+    "peak MiB: rise of the process's peak resident set size during the scoring call "
+    "(Linux VmHWM, reset before each method through /proc/self/clear_refs; elsewhere the "
+    "resource.getrusage ru_maxrss delta, 0 when a method stays below an earlier peak)"
+)
+
+
+def measured(method: Method, stores: Stores, tour: Tour) -> tuple[AttributionScore, float, float]:
+    """``(score, seconds, peak MiB)`` of one scoring call."""
+    gc.collect()
+    reset = _reset_peak_rss()
+    before = _rss_kib("VmRSS") if reset else _max_rss_kib()
+    start = time.perf_counter()
+    score = method.score(stores, tour)
+    seconds = time.perf_counter() - start
+    after = _rss_kib("VmHWM") if reset else _max_rss_kib()
+    return score, seconds, max(0, after - before) / 1024
+
+
+def topic_hits(
+    score: AttributionScore,
+    sign: float,
+    topic_of: Mapping[str, str],
+    queries: Sequence[tuple[str, str]],
+) -> int:
+    """Queries whose top proponent (largest ``sign × score``) shares the query's topic."""
+    train_ids, matrix = score.agnostic_matrix()  # (num_train, num_query), rows summed over steps
+    top = (sign * matrix).argmax(dim=0)
+    return sum(
+        topic_of[train_ids[top[score.test_index[query_id]]]] == topic for query_id, topic in queries
+    )
+
+
+def print_table(rows: list[Row], tour: Tour, capture_seconds: float) -> None:
+    """The tour's table with its footnotes."""
+    print(f"\n{'method':<16} {'scored from':<28} {'seconds':>8} {'peak MiB':>9}  same topic")
+    for row in rows:
+        print(
+            f"{row.method:<16} {row.source:<28} {row.seconds:>8.2f} {row.peak_mib:>9.1f}"
+            f"  {row.topic_match:>10}"
+        )
+    notes = [
+        "same topic: queries whose top proponent (the most helpful training sentence, its rows "
+        f"summed over the captured steps) shares the query's topic; chance is about "
+        f"1/{len(CORPUS)}.",
+        "AdamW-influence scores helpful sentences NEGATIVE (rows -q^T W push, push = the "
+        "removal perturbation): its top proponent is its most negative row.",
+        "LESS: a sentence's Adam update direction is dominated by the momentum its whole batch "
+        "shares, so the rows of one step barely differ and its top proponent follows the batch.",
+        "theta_T: training gradients at the final weights; trajectory: the steps of the last "
+        f"{tour.captured_epochs} of {tour.epochs} epochs; queries at the final weights.",
+        f"seconds: scoring from the stores only (training + the one capture: "
+        f"{capture_seconds:.1f} s); CPU, {torch.get_num_threads()} torch thread(s).",
+        MEMORY_NOTE + ".",
+    ]
+    print("\n" + "\n".join(f"* {note}" for note in notes))
+
+
+# ---------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None) -> Tour:
+    """The :class:`Tour` from the command line."""
+    default = Tour()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=default.epochs)
+    parser.add_argument("--captured-epochs", type=int, default=default.captured_epochs)
+    parser.add_argument("--queries", type=int, default=default.num_queries)
+    parser.add_argument("--n-embd", type=int, default=default.n_embd)
+    args = parser.parse_args(argv)
+    if not 1 <= args.captured_epochs <= args.epochs:
+        parser.error("--captured-epochs must be between 1 and --epochs")
+    if not 1 <= args.queries <= len(QUERIES):
+        parser.error(f"--queries must be between 1 and {len(QUERIES)}")
+    return Tour(
+        epochs=args.epochs,
+        captured_epochs=args.captured_epochs,
+        num_queries=args.queries,
+        n_embd=args.n_embd,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    """Train and capture once, score every method, print the table; return its rows."""
+    tour = parse_args(argv)
+    torch.set_num_threads(1)  # a model this small runs fastest (and reproducibly) on one thread
+    pairs = [(topic, s) for topic, sentences in CORPUS.items() for s in sentences]
+    queries = QUERIES[: tour.num_queries]
+    tokenizer = WordTokenizer([s for _, s in pairs] + [q for _, q in QUERIES])
+    train_set = [tokenizer.encode(s) for _, s in pairs]
+    query_set = [tokenizer.encode(q) for _, q in queries]
+    # Samples are keyed by the content hash of the model inputs.
+    topic_of = {hash_sample(x): topic for x, (topic, _) in zip(train_set, pairs)}
+    query_topics = [(hash_sample(q), topic) for q, (topic, _) in zip(query_set, queries)]
+
+    model = make_model(tour, len(tokenizer.vocab) + 1)
+    print(
+        f"{len(train_set)} training sentences in {len(CORPUS)} topics, {len(queries)} queries; "
+        f"{tour.epochs} epochs, the last {tour.captured_epochs} captured"
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="method_tour_") as work:
+        start = time.perf_counter()
+        stores = train_and_capture(model, train_set, query_set, tour, Path(work))
+        capture_seconds = time.perf_counter() - start
+        for name, method in METHODS.items():
+            score, seconds, peak = measured(method, stores, tour)
+            hits = topic_hits(score, method.sign, topic_of, query_topics)
+            rows.append(Row(name, method.source, seconds, peak, hits, len(queries)))
+    print_table(rows, tour, capture_seconds)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

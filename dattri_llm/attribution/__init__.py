@@ -7,6 +7,7 @@ from dattri_llm.attribution.algorithm import (
     KFACAttributor,
     KroneckerAttributor,
     LESSAttributor,
+    LoRIFAttributor,
     TracInAttributor,
     TrajectoryAttributor,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "KFACAttributor",
     "KroneckerAttributor",
     "LESSAttributor",
+    "LoRIFAttributor",
     "TracInAttributor",
     "TrajectoryAttributor",
 ]

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
+from dattri_llm.gradient.lowrank import LowRank, check_low_rank, low_rank_gradient
 from dattri_llm.gradient.ops.projection import DattriProjector
 from dattri_llm.options import CacheResidency, DiskFormat
 from dattri_llm.utils.atomic import atomic_torch_save, atomic_write
@@ -99,7 +100,7 @@ _BATCH_RE = re.compile(r"^batch_(\d+)\.")
 _RAM_SEQ_RE = re.compile(r"(?:mem|entry)_(\d+)")
 _RANK_DIR_RE = re.compile(r"^rank_(\d+)$")
 _UNSAFE_NAME_CHAR = re.compile(r"[^A-Za-z0-9_.\-]")
-_SAFE_GLOBALS = [GradientRecord, Gradient, Factorized]
+_SAFE_GLOBALS = [GradientRecord, Gradient, Factorized, LowRank]
 _DEFAULT_PROJECTION = {"style": "logra", "proj_seed": 0, "include_bias": True}
 _DEFAULT_FACTORIES = (
     "dattri.func.projection.random_project",
@@ -197,7 +198,7 @@ class _BinLayout:
         if isinstance(value, torch.Tensor):
             return {"kind": "dense", "parts": {"data": self.add(value)}}
         return {
-            "kind": "factorized",
+            "kind": "low_rank" if isinstance(value, LowRank) else "factorized",
             "parts": {
                 "activation": self.add(value.activation),
                 "pre_activation_grad": self.add(value.pre_activation_grad),
@@ -286,9 +287,10 @@ def _decode_layer(
     parts = layer["parts"]
     if layer["kind"] == "dense":
         return _part_view(buffer, parts["data"], path)
-    if layer["kind"] != "factorized":
+    if layer["kind"] not in ("factorized", "low_rank"):
         raise ValueError(f"gradient group {path}: unknown layer kind {layer['kind']!r}.")
-    return Factorized(
+    payload_type = LowRank if layer["kind"] == "low_rank" else Factorized
+    return payload_type(
         _part_view(buffer, parts["activation"], path),
         _part_view(buffer, parts["pre_activation_grad"], path),
         module_kwargs=layer.get("module_kwargs"),
@@ -643,6 +645,15 @@ class GradientStorageManager:
         disk_format: ``"memmap"`` (raw bytes + metadata, read back as
             copy-on-write memory maps) or ``"pickle"`` (``torch.save`` of the
             record list, read back with ``weights_only=True``).
+        low_rank: extension (keyword-only). ``c >= 1`` stores every
+            matrix-form layer (factorized linear family and conv, see
+            ``lowrank.has_matrix_form``) of each saved record as its top-``c``
+            singular triplets (a ``lowrank.LowRank`` payload); other layers are
+            stored as given. ``c`` is recorded in ``index_meta.json``
+            (``"low_rank"``); opening a store that records another ``c``, or
+            giving ``c`` for a store that already holds full-rank records →
+            `ValueError`. ``None`` (default) adopts the store's recorded ``c``,
+            if any.
 
     Saving a (step, identifier) pair that is already indexed replaces the
     earlier occurrence (also one saved by an earlier run into the directory),
@@ -660,7 +671,9 @@ class GradientStorageManager:
         residency: CacheResidency = "disk",
         budget_bytes: int | None = None,
         disk_format: DiskFormat = "memmap",
+        low_rank: int | None = None,
     ) -> None:
+        low_rank = check_low_rank(low_rank, "GradientStorageManager: low_rank")
         if residency not in CACHE_RESIDENCIES:
             raise ValueError(
                 f"GradientStorageManager: unknown residency {residency!r}; it must be one of "
@@ -694,6 +707,7 @@ class GradientStorageManager:
         self._sample_id_key: str | int | None = None
         self._id_scheme_fixed = False
         self._accumulation_steps: int | None = None
+        self._low_rank: int | None = None  # set below, after the store's own record
         self._projection: dict[str, dict] | None = None
         self._write_dir: Path | None = None
         self._write_prefix = ""
@@ -710,7 +724,10 @@ class GradientStorageManager:
         self._created_root = False
         if residency == "disk":
             self._open_existing()
-        else:
+        if low_rank is not None:
+            self._require_low_rank_compatible(low_rank)
+            self._low_rank = low_rank
+        if residency != "disk":
             self._cache = TensorCache(
                 residency,
                 budget=budget_bytes,
@@ -757,6 +774,11 @@ class GradientStorageManager:
     def gradient_accumulation_steps(self) -> int:
         """Declared accumulation window of the stored records (1 when undeclared)."""
         return self._accumulation_steps or 1
+
+    @property
+    def low_rank(self) -> int | None:
+        """``c`` of a low-rank store (records kept as rank-``c`` factors); ``None`` = full rank."""
+        return self._low_rank
 
     @property
     def projection(self) -> dict[str, dict] | None:
@@ -831,6 +853,31 @@ class GradientStorageManager:
         self._accumulation_steps = n
         self._write_sidecars()
 
+    def declare_low_rank(self, rank: int) -> None:
+        """Store every later save's matrix-form layers as rank-``rank`` factors (see ``low_rank``).
+
+        The same ``rank`` again is a no-op; another ``c`` than the store's, or a
+        store that already holds full-rank records → `ValueError`.
+        """
+        rank = check_low_rank(rank, "declare_low_rank: rank")
+        self._require_low_rank_compatible(rank)
+        self._low_rank = rank
+        self._write_sidecars()
+
+    def _require_low_rank_compatible(self, rank: int) -> None:
+        """`ValueError` unless records of rank ``rank`` may join this store."""
+        if self._low_rank is not None and self._low_rank != rank:
+            raise ValueError(
+                f"gradient store {self._save_dir} holds low-rank records of rank c="
+                f"{self._low_rank}; cannot add records of rank c={rank}. Stores of different c "
+                f"cannot be mixed: use low_rank={self._low_rank} or a fresh directory."
+            )
+        if self._low_rank is None and self._groups:
+            raise ValueError(
+                f"gradient store {self._save_dir} already holds full-rank records; cannot make "
+                f"it a low-rank store (c={rank}). Use a fresh directory for low_rank={rank}."
+            )
+
     def declare_projection(
         self, projection: Mapping[str, Mapping[str, Any]] | None, projector: Any = None
     ) -> None:
@@ -887,6 +934,7 @@ class GradientStorageManager:
     def _save_group(self, records: list[GradientRecord], base: str | None) -> str:
         self._check_open()
         self._validate_records(records)
+        records = self._at_store_rank(records)
         key = records[0].sample_id_key
         if self._residency == "disk":
             location = self._write_disk_group(records, key, base)
@@ -895,6 +943,33 @@ class GradientStorageManager:
         self._fix_id_scheme(key)
         self._add_group_entries(location, [(int(r.step), _record_identifiers(r)) for r in records])
         return location
+
+    def _at_store_rank(self, records: list[GradientRecord]) -> list[GradientRecord]:
+        """``records`` with their matrix-form layers at the store's rank ``c`` (if any).
+
+        Records already holding low-rank payloads declare their ``c`` to the
+        store (refused when it differs, or when the store is full-rank and not empty).
+        """
+        ranks = {
+            value.rank
+            for record in records
+            for value in record.gradient.data.values()
+            if isinstance(value, LowRank)
+        }
+        for rank in sorted(ranks):
+            if rank != self._low_rank:
+                self.declare_low_rank(rank)
+        if self._low_rank is None:
+            return records
+        return [
+            GradientRecord(
+                step=r.step,
+                input_hash=r.input_hash,
+                gradient=low_rank_gradient(r.gradient, self._low_rank),
+                sample_id_key=r.sample_id_key,
+            )
+            for r in records
+        ]
 
     def _validate_records(self, records: list[GradientRecord]) -> None:
         if not records:
@@ -1036,11 +1111,14 @@ class GradientStorageManager:
         return _read_json(path) if has_log and path.exists() else None
 
     def _meta(self) -> dict[str, Any]:
-        return {
+        meta = {
             "format": FORMAT_VERSION,
             "sample_id_key": self._sample_id_key,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
         }
+        if self._low_rank is not None:
+            meta["low_rank"] = self._low_rank
+        return meta
 
     def _write_sidecars(self) -> None:
         """Rewrite changed sidecars atomically (disk, once the identifier scheme is known)."""
@@ -1198,6 +1276,17 @@ class GradientStorageManager:
                 f"{n} but another part of the store declares {self._accumulation_steps}."
             )
         self._accumulation_steps = n
+        self._merge_low_rank(meta.get("low_rank"), path)
+
+    def _merge_low_rank(self, rank: int | None, path: Path) -> None:
+        """Adopt the ``c`` recorded in ``path``; another ``c`` (or full rank) elsewhere → error."""
+        if self._groups and rank != self._low_rank:
+            ours = "full rank" if self._low_rank is None else f"c={self._low_rank}"
+            raise ValueError(
+                f"gradient store {self._save_dir}: {path} records low_rank={rank} but another "
+                f"part of the store holds {ours}; stores of different c cannot be mixed."
+            )
+        self._low_rank = rank
 
     def _merge_projection(self, record: dict[str, dict], path: Path) -> None:
         if self._projection is not None and record != self._projection:

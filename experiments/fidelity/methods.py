@@ -20,6 +20,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from capture import Captured
@@ -27,8 +28,11 @@ from capture import Captured
 from dattri_llm import (
     AttributionArguments,
     EKFACAttributor,
+    GradientRecord,
+    GradientStorageManager,
     KFACAttributor,
     LESSAttributor,
+    LoRIFAttributor,
     TracInAttributor,
 )
 
@@ -92,6 +96,64 @@ def kronecker(cls: type) -> Callable[[Captured], torch.Tensor]:
             captured.final_train, captured.queries_final, damping=0.1, relative_damping=True
         )
         return aligned(result, captured)
+
+    return score
+
+
+# ---------------------------------------------------------------------------- issue 15: LoRIF
+def logra_kwargs(k: int) -> dict[str, dict]:
+    """LoGRA factor projection of every layer to ``k × k`` (``d_out' = d_in' = k``)."""
+    return {"__default__": {"style": "logra", "proj_dim": k}}
+
+
+def projected_copy(source: Path, target: Path, k: int, *, low_rank: int | None, dense: bool):
+    """``source`` projected post hoc to ``k × k`` per layer, written to ``target`` (cached).
+
+    ``dense`` stores the projected gradient materialized (LoGRA's ``(k²,)`` rows);
+    otherwise final factors, at rank ``low_rank`` when given (LoRIF's ``c·2k``).
+    """
+    if target.is_dir():
+        return target
+    kwargs = logra_kwargs(k)
+    src = GradientStorageManager(source)
+    dst = GradientStorageManager(target, low_rank=low_rank)
+    dst.declare_projection(kwargs)
+    for location in src.locations():
+        records = []
+        for r in src.load_records(location):
+            grad = r.gradient.project(None, kwargs)
+            records.append(
+                GradientRecord(
+                    r.step, r.input_hash, grad.materialize() if dense else grad, r.sample_id_key
+                )
+            )
+        dst.save_bulk(records)
+    return target
+
+
+def projected_stores(captured: Captured, k: int, c: int | None) -> tuple[Path, Path]:
+    """``(train, queries)`` stores at ``θ_T`` projected to ``k``; train at rank ``c`` (or dense)."""
+    root = captured.root / "projected"
+    train = projected_copy(
+        captured.final_train, root / f"train_k{k}_c{c}", k, low_rank=c, dense=c is None
+    )
+    queries = projected_copy(
+        captured.queries_final, root / f"queries_k{k}", k, low_rank=None, dense=False
+    )
+    return train, queries
+
+
+def lorif(k: int, c: int | None, r: int | None) -> Callable[[Captured], torch.Tensor]:
+    """LoRIF ``g_iᵀ(GᵀG/N + λI)⁻¹q_j`` at ``θ_T``, projection ``k``, rank ``c``, SVD rank ``r``.
+
+    ``c = None`` is LoGRA-style projected influence (dense store); with ``r >= N`` (64 training
+    rows here) the inverse is exact, since ``G`` has rank at most ``N``.
+    """
+
+    def score(captured: Captured) -> torch.Tensor:
+        train, queries = projected_stores(captured, k, c)
+        attributor = LoRIFAttributor(arguments(captured), rank=c, svd_rank=r)
+        return aligned(attributor.attribute_from_cache(train, queries), captured)
 
     return score
 
@@ -200,6 +262,8 @@ METHODS: dict[str, Method] = {
     ),
     "DVEmb (full H)": Method(dvemb("full")),
     "DVEmb (diagonal H)": Method(dvemb("diagonal")),
+    "LoGRA-style (k=32)": Method(lorif(32, None, 64), FROZEN, "θ_T, dense k² store, exact inverse"),
+    "LoRIF (k=32, c=1, r=64)": Method(lorif(32, 1, 64), FROZEN, "θ_T, 9.6× less store"),
 }
 NEEDS = {
     "AdamW-influence (full)": "AdamWInfluenceAttributor",

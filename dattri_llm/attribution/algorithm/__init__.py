@@ -8,6 +8,7 @@ from dattri_llm.attribution.algorithm.kronecker import (
     KroneckerAttributor,
 )
 from dattri_llm.attribution.algorithm.less import LESSAttributor
+from dattri_llm.attribution.algorithm.lorif import LoRIFAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.algorithm.trajectory import TrajectoryAttributor
 
@@ -18,6 +19,7 @@ __all__ = [
     "KFACAttributor",
     "KroneckerAttributor",
     "LESSAttributor",
+    "LoRIFAttributor",
     "TracInAttributor",
     "TrajectoryAttributor",
 ]

@@ -15,6 +15,7 @@ from typing import Any
 
 from dattri_llm.gradient.callbacks import (
     CaptureCallback,
+    DataSelectionCallback,
     HookManagerCallback,
     KroneckerCovarianceCallback,
     OffloadCallback,
@@ -57,6 +58,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "REGISTER_ALL",
     "CaptureCallback",
+    "DataSelectionCallback",
     "Factorized",
     "Gradient",
     "GradientRecord",

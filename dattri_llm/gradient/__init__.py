@@ -10,6 +10,7 @@ from dattri_llm.gradient import ops
 from dattri_llm.gradient.async_writer import AsyncGradientWriter
 from dattri_llm.gradient.callbacks import (
     CaptureCallback,
+    DataSelectionCallback,
     HookManagerCallback,
     KroneckerCovarianceCallback,
     OffloadCallback,
@@ -47,6 +48,7 @@ __all__ = [
     "REGISTER_ALL",
     "AsyncGradientWriter",
     "CaptureCallback",
+    "DataSelectionCallback",
     "FisherAccumulator",
     "GradientRecord",
     "GradientStorageManager",

@@ -232,11 +232,6 @@ def test_errors(tmp_path):
         LoRIFAttributor(_args(tmp_path), rank=3).attribute_from_cache(low, te)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kronecker.py (not owned by issue 15) must call lowrank.require_raw_factors on each "
-    "covariance-pass block; see the issue-15 report",
-)
 def test_low_rank_store_is_refused_by_kfac(tmp_path):
     from dattri_llm.attribution.algorithm.kronecker import KFACAttributor
 

@@ -8,6 +8,8 @@ every later pass re-runs the source only for the blocks before that suffix,
 closes it there (the kept blocks are never recomputed) and replays the kept
 blocks. The blocks are the ones of the first pass, so every pass yields the
 same gradients in the same order and the scores do not depend on the plan.
+Under a process group the ranks agree on how many blocks the later passes
+re-run (a wrapped model runs collectives in every forward/backward).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+from dattri_llm.utils.distributed import all_gather_objects
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import Gradient
@@ -116,7 +120,23 @@ class KeptPasses:
             self._keep(item)
             del item
         self.total_blocks = count
+        self._agree_on_recomputed_blocks()
         self._kept_count = len(self._kept)
+
+    def _agree_on_recomputed_blocks(self) -> None:
+        """Under a process group, drop the oldest kept blocks until every rank re-runs as many.
+
+        A wrapped model (DDP, FSDP) runs collectives in every forward/backward,
+        so the ranks' later passes must run the model the same number of times;
+        the kept suffixes differ when the ranks' blocks differ in size (control
+        flow, sequence lengths). Every rank re-runs the largest count any rank
+        needs. Nothing is agreed with a budget of 0 (nothing is kept anywhere).
+        """
+        if self.budget == 0:
+            return
+        recompute = max(all_gather_objects(self.total_blocks - len(self._kept)))
+        while self._kept and self.total_blocks - len(self._kept) < recompute:
+            self.kept_bytes -= self._kept.popleft()[1].nbytes
 
     def _keep(self, item: StreamBatch) -> None:
         """Append a block, then drop the oldest kept ones until the budget holds."""

@@ -54,6 +54,7 @@ from dattri_llm.gradient.callbacks.kronecker_covariance_callback import (
     KroneckerCovarianceCallback,
 )
 from dattri_llm.gradient.gradient import Factorized
+from dattri_llm.gradient.lowrank import require_raw_factors
 from dattri_llm.gradient.ops.dot import effective_dims
 from dattri_llm.gradient.ops.kronecker import (
     FisherAccumulator,
@@ -80,7 +81,11 @@ from dattri_llm.gradient.ops.types import (
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.atomic import atomic_torch_save
 from dattri_llm.utils.cache import CACHE_RESIDENCIES, TensorCache
-from dattri_llm.utils.distributed import all_reduce_sum
+from dattri_llm.utils.distributed import (
+    all_gather_objects,
+    all_reduce_named_sums,
+    all_reduce_sum,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -187,6 +192,15 @@ class _RecordedCovariances:
             self.residency == "disk" == store.residency
             and _resolved(store.save_dir) == self.save_dir
         )
+
+
+def _union_layer_types(local: dict[str, str]) -> dict[str, str]:
+    """``{layer: type}`` seen on any rank (this rank's first, then the others' in rank order)."""
+    union = dict(local)
+    for seen in all_gather_objects(local):
+        for name, layer_type in seen.items():
+            union.setdefault(name, layer_type)
+    return union
 
 
 def _resolved(path: str | Path) -> Path:
@@ -362,6 +376,10 @@ class KroneckerAttributor(BaseInnerProductAttributor):
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """First pass: ``{layer: (A, G)}`` for every K-FAC layer (+ dense Fisher accumulation).
 
+        Under a process group the covariances are reduced over the union of the
+        layers every rank saw (a rank may skip a layer or hold fewer blocks), so
+        every rank fits the same layers with the global row counts.
+
         Supplied covariances are used as given; on a live source a
         ``KroneckerCovarianceCallback`` records the others during this pass only
         (each layer's rows once: the callback's layers are not accumulated again
@@ -374,6 +392,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         seen: dict[str, str] = {}
         with self._capturing_covariances(train_source):
             for _step, block, _ids in train_source:
+                require_raw_factors(block, f"{type(self).__name__} (K-FAC covariances)")
                 layers = self.kfac_layers(block)
                 for name in layers:
                     if name not in seen:
@@ -386,6 +405,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             if self._capture_callback is not None:
                 self._capture_callback.all_reduce()
                 fitted.update(self._capture_callback.result())
+        seen = _union_layer_types(seen)
         result = {}
         for name in seen:
             cov = self.covariances_for(name)
@@ -1233,7 +1253,11 @@ class EKFACAttributor(KroneckerAttributor):
     def fit_factors(
         self, train_source: GradientSource, fisher_acc: FisherAccumulator
     ) -> dict[str, Any]:
-        """``{layer: {"U_A", "U_G", "lam"}}``: covariance pass, ``eigh``, eigenvalue pass."""
+        """``{layer: {"U_A", "U_G", "lam"}}``: covariance pass, ``eigh``, eigenvalue pass.
+
+        Under a process group the Λ sums and sample counts are reduced over the
+        union of the ranks' layers (``Λ`` = global sum / global count).
+        """
         if self.covariances is not None:
             self._check_covering(train_source)
         covariances = self.covariance_pass(train_source, fisher_acc)
@@ -1251,13 +1275,11 @@ class EKFACAttributor(KroneckerAttributor):
                 squared = coords.square_().sum(dim=0)
                 sums[name] = squared if name not in sums else sums[name] + squared.to(sums[name])
                 counts[name] = counts.get(name, 0) + coords.shape[0]
+        local = {name: ([total], counts[name]) for name, total in sums.items()}
         factors = {}
-        for name in sorted(sums):
-            count = torch.tensor([float(counts[name])], dtype=torch.float64)
-            all_reduce_sum(sums[name])
-            all_reduce_sum(count)
+        for name, ([total], count) in all_reduce_named_sums(local, "EK-FAC Λ sums").items():
             u_a, u_g = bases[name]
-            factors[name] = {"U_A": u_a, "U_G": u_g, "lam": sums[name] / float(count)}
+            factors[name] = {"U_A": u_a, "U_G": u_g, "lam": total / count}
         return factors
 
     def _check_covering(self, train_source: GradientSource) -> None:

@@ -7,7 +7,10 @@ from typing import TYPE_CHECKING
 
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
 from dattri_llm.gradient.hooks.hooks import current_forward_token
-from dattri_llm.gradient.ops.kronecker import LayerKroneckerAccumulator
+from dattri_llm.gradient.ops.kronecker import (
+    LayerKroneckerAccumulator,
+    all_reduce_layer_accumulators,
+)
 from dattri_llm.gradient.ops.types import is_kfac_eligible
 
 if TYPE_CHECKING:
@@ -89,9 +92,14 @@ class KroneckerCovarianceCallback(HookManagerCallback):
         self._direct.clear()
 
     def all_reduce(self) -> None:
-        """Sum every layer's covariances across ranks (sorted order; every rank must call it)."""
-        for name in sorted(self._accumulators):
-            self._accumulators[name].all_reduce()
+        """Sum every layer's covariances across ranks (every rank must call it).
+
+        Ranks may have seen different layers or row counts: the union of the
+        ranks' layers is reduced (``ops.kronecker.all_reduce_layer_accumulators``),
+        a rank without a layer contributing zeros; afterwards every rank holds
+        every layer with the global sums and row count.
+        """
+        all_reduce_layer_accumulators(self._accumulators, LayerKroneckerAccumulator)
 
     @property
     def layer_names(self) -> frozenset[str]:

@@ -26,7 +26,7 @@ The accumulators take a canonical layer type or its short alias (``"linear"``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -42,10 +42,10 @@ from dattri_llm.gradient.ops.types import (
     is_norm,
     resolve_layer_type,
 )
-from dattri_llm.utils.distributed import all_reduce_sum
+from dattri_llm.utils.distributed import all_reduce_named_sums
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from dattri_llm.gradient.gradient import Factorized, Gradient
 
@@ -463,10 +463,40 @@ def _accumulator_layer_type(layer_type: str, module_kwargs: dict | None, fn: str
     return layer_type
 
 
-def _reduce_sums(*tensors: Tensor) -> None:
-    """Sum tensors across ranks in place (no-op single process)."""
-    for t in tensors:
-        all_reduce_sum(t)
+class _LayerSums(Protocol):
+    """A per-layer accumulator whose partial sums can be reduced across ranks."""
+
+    def partial_sums(self) -> tuple[list[Tensor], int] | None:
+        """``(sums, count)`` accumulated here, ``None`` when nothing was."""
+
+    def load_sums(self, sums: list[Tensor], count: int) -> None:
+        """Replace the sums and count (by the reduced ones)."""
+
+
+def all_reduce_layer_accumulators(
+    layers: dict[str, _LayerSums], factory: Callable[[], _LayerSums]
+) -> list[str]:
+    """Sum per-layer accumulators across ranks on the union of their layers, in place.
+
+    Ranks may hold different layers (control flow) and different row counts:
+    the layer names, with the shapes of their sums, are gathered first, then
+    every layer of the union is reduced (``utils.distributed.all_reduce_named_sums``);
+    a rank without a layer (or with nothing accumulated in it) contributes
+    zeros, and gains the layer (``factory()``) holding the global sums and
+    count. Every rank must call it. Returns the reduced layer names (those
+    accumulated on some rank), sorted. No-op single-process.
+    """
+    local = {}
+    for name, acc in layers.items():
+        sums = acc.partial_sums()
+        if sums is not None:
+            local[name] = sums
+    reduced = all_reduce_named_sums(local, "K-FAC accumulator sums")
+    for name, (sums, count) in reduced.items():
+        if name not in layers:
+            layers[name] = factory()
+        layers[name].load_sums(sums, count)
+    return sorted(reduced)
 
 
 @dataclass
@@ -525,12 +555,22 @@ class LayerKroneckerAccumulator:
                 "least one gradient-carrying row first."
             )
 
+    def partial_sums(self) -> tuple[list[Tensor], int] | None:
+        """``([Σ a aᵀ, Σ g gᵀ], rows)``, or ``None`` before the first kept row."""
+        return None if self.a_sum is None else ([self.a_sum, self.g_sum], self.rows)
+
+    def load_sums(self, sums: list[Tensor], count: int) -> None:
+        """Replace the sums by ``[Σ a aᵀ, Σ g gᵀ]`` over ``count`` rows (e.g. reduced ones)."""
+        (self.a_sum, self.g_sum), self.rows = sums, int(count)
+
     def all_reduce(self) -> None:
-        """Sum the covariance sums and row count across ranks (every rank must call it)."""
-        self._require("all_reduce")
-        count = torch.tensor([float(self.rows)], dtype=torch.float64, device=self.a_sum.device)
-        _reduce_sums(self.a_sum, self.g_sum, count)
-        self.rows = int(round(float(count)))
+        """Sum the covariance sums and row count across ranks (every rank must call it).
+
+        A rank with nothing accumulated contributes zeros and receives the
+        others' sums; ``RuntimeError`` (on every rank) when no rank has any.
+        """
+        if not all_reduce_layer_accumulators({"layer": self}, LayerKroneckerAccumulator):
+            self._require("all_reduce")
 
     def result(self, *, consume: bool = False) -> tuple[Tensor, Tensor]:
         """``(A, G)`` = sums / row count; ``consume=True`` normalises in place and resets."""
@@ -601,12 +641,22 @@ class LayerFisherAccumulator:
         if self.total is None:
             raise RuntimeError(f"LayerFisherAccumulator.{what}: nothing accumulated.")
 
+    def partial_sums(self) -> tuple[list[Tensor], int] | None:
+        """``([Σ g gᵀ], samples)``, or ``None`` before the first update."""
+        return None if self.total is None else ([self.total], self.count)
+
+    def load_sums(self, sums: list[Tensor], count: int) -> None:
+        """Replace the sum by ``[Σ g gᵀ]`` over ``count`` samples (e.g. reduced ones)."""
+        (self.total,), self.count = sums, int(count)
+
     def all_reduce(self) -> None:
-        """Sum the Fisher sum and sample count across ranks (every rank must call it)."""
-        self._require("all_reduce")
-        count = torch.tensor([float(self.count)], dtype=torch.float64, device=self.total.device)
-        _reduce_sums(self.total, count)
-        self.count = int(round(float(count)))
+        """Sum the Fisher sum and sample count across ranks (every rank must call it).
+
+        A rank with nothing accumulated contributes zeros and receives the
+        others' sum; ``RuntimeError`` (on every rank) when no rank has any.
+        """
+        if not all_reduce_layer_accumulators({"layer": self}, LayerFisherAccumulator):
+            self._require("all_reduce")
 
     def result(self) -> Tensor:
         """``F = Σ g gᵀ / n`` ``(d, d)``."""
@@ -652,9 +702,12 @@ class KroneckerAccumulator:
             )
 
     def all_reduce(self) -> None:
-        """Sum every layer's accumulator across ranks (sorted order; every rank must call it)."""
-        for name in sorted(self.layers):
-            self.layers[name].all_reduce()
+        """Sum every layer across ranks on the union of the ranks' layers (every rank calls it).
+
+        See :func:`all_reduce_layer_accumulators`: a layer this rank never saw is
+        added with the global sums.
+        """
+        all_reduce_layer_accumulators(self.layers, LayerKroneckerAccumulator)
 
     def result(self, *, consume: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
         """``{layer: (A, G)}`` of the layers with at least one kept row."""
@@ -715,9 +768,11 @@ class FisherAccumulator:
             self.layers.setdefault(name, LayerFisherAccumulator()).update_from_grad(rows)
 
     def all_reduce(self) -> None:
-        """Sum every layer's Fisher across ranks (sorted order; every rank must call it)."""
-        for name in sorted(self.layers):
-            self.layers[name].all_reduce()
+        """Sum every layer's Fisher across ranks on the union of their layers (every rank calls it).
+
+        See :func:`all_reduce_layer_accumulators`.
+        """
+        all_reduce_layer_accumulators(self.layers, LayerFisherAccumulator)
 
     def result(self) -> dict[str, Tensor]:
         """``{layer: F}`` ``(P, P)``."""

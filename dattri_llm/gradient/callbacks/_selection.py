@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ _SELECTION_DEFAULTS: dict[str, Any] = {
     "layer_wise": False,
 }
 HF_CONV1D_TYPE = "transformers.pytorch_utils.Conv1D"
+FSDP_WRAPPED_SEGMENT = "_fsdp_wrapped_module"
 # Bias gradients sum ``g`` over every axis but the channel axis: dim 1 for these.
 _CHANNEL_FIRST_NORMS = frozenset(
     {"nn.GroupNorm", "nn.InstanceNorm1d", "nn.InstanceNorm2d", "nn.InstanceNorm3d"}
@@ -239,11 +240,11 @@ def _weight_delta(a: torch.Tensor, g: torch.Tensor, layer_type: str, module_kwar
     return materialize_factors(a, g, layer_type, module_kwargs, include_bias=False).sum(dim=0)
 
 
-def _as_weight_shape(flat: torch.Tensor, weight: torch.Tensor, layer_type: str) -> torch.Tensor:
-    """Map a flat ``(d,)`` weight gradient to ``weight``'s shape (HF ``Conv1D`` is transposed)."""
+def _as_weight_shape(flat: torch.Tensor, shape: torch.Size, layer_type: str) -> torch.Tensor:
+    """Map a flat ``(d,)`` weight gradient to the weight ``shape`` (HF ``Conv1D`` is transposed)."""
     if layer_type == HF_CONV1D_TYPE:
-        return flat.reshape(weight.shape[1], weight.shape[0]).T
-    return flat.reshape(weight.shape)
+        return flat.reshape(shape[1], shape[0]).T
+    return flat.reshape(shape)
 
 
 def _bias_delta(g: torch.Tensor, layer_type: str) -> torch.Tensor:
@@ -259,30 +260,67 @@ def _bias_delta(g: torch.Tensor, layer_type: str) -> torch.Tensor:
     return g.sum(dim=dims)
 
 
+def _removal_params(
+    module: nn.Module, shards: Mapping[int, ShardSlice] | None
+) -> list[tuple[str, nn.Parameter, torch.Size]]:
+    """``[(attr, param, full shape)]`` of the module's ``weight`` / ``bias`` to edit.
+
+    Without ``shards``: those holding a gradient. With ``shards`` (FSDP): every
+    trainable one, whether or not this rank holds part of its gradient, so that
+    all ranks build the same list for the collective.
+    """
+    out = []
+    for attr in ("weight", "bias"):
+        param = getattr(module, attr, None)
+        if not isinstance(param, torch.Tensor):
+            continue
+        if shards is None:
+            if param.grad is not None:
+                out.append((attr, param, param.shape))
+        elif param.requires_grad:
+            if id(param) not in shards:
+                raise NotImplementedError(
+                    f"DataSelectionCallback: parameter {attr!r} of {type(module).__name__} is not "
+                    "managed by an FSDP FlatParameter (ignored or unflattened); its gradient "
+                    "shard cannot be located."
+                )
+            out.append((attr, param, shards[id(param)].shape))
+    return out
+
+
 def layer_deltas(
-    f: Factorized, layer_type: str, module: nn.Module, weights: torch.Tensor
+    f: Factorized,
+    layer_type: str,
+    module: nn.Module,
+    weights: torch.Tensor,
+    shards: Mapping[int, ShardSlice] | None = None,
 ) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """``[(param, Σ_i w_i ∂L_i/∂param)]`` for the module's ``weight`` and ``bias`` with a grad."""
+    """``[(param, Σ_i w_i ∂L_i/∂param)]`` for the module's ``weight`` and ``bias``.
+
+    Deltas have the parameter's full shape; ``shards`` (FSDP, see
+    :func:`fsdp_shard_slices`) supplies it for sharded parameters.
+    """
     a, g = _scaled(f, weights)
     out = []
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.grad is not None:
-        flat = _weight_delta(a, g, layer_type, f.module_kwargs)
-        out.append((weight, _as_weight_shape(flat, weight, layer_type)))
-    bias = getattr(module, "bias", None)
-    if isinstance(bias, torch.Tensor) and bias.grad is not None:
-        out.append((bias, _bias_delta(g, layer_type).reshape(bias.shape)))
+    for attr, param, shape in _removal_params(module, shards):
+        if attr == "weight":
+            flat = _weight_delta(a, g, layer_type, f.module_kwargs)
+            out.append((param, _as_weight_shape(flat, shape, layer_type)))
+        else:
+            out.append((param, _bias_delta(g, layer_type).reshape(shape)))
     return out
 
 
 def removable_layers(record: GradientRecord, root: nn.Module) -> dict[str, nn.Module]:
     """``{layer: module}`` of the factorized, per-sample layers resolvable under ``root``.
 
-    Broadcast layers (batch 1 in a larger batch) and names that are no submodule
-    of ``root`` are skipped.
+    Names are matched with nested FSDP wrapper segments removed. Broadcast layers
+    (batch 1 in a larger batch) and names that are no submodule of ``root`` are
+    skipped.
     """
     gradient = record.gradient
     batch = gradient.batch_size
+    modules = {_strip_wrappers(n): m for n, m in root.named_modules()}  # inner module wins
     out = {}
     for name in sorted(sample_layers(gradient)):
         value = gradient.data[name]
@@ -290,14 +328,80 @@ def removable_layers(record: GradientRecord, root: nn.Module) -> dict[str, nn.Mo
             continue
         if value.activation.shape[value.batch_axis] == 1 and batch > 1:
             continue
-        try:
-            out[name] = root.get_submodule(base_layer_name(name))
-        except AttributeError:
-            continue
+        module = modules.get(base_layer_name(name))
+        if module is not None:
+            out[name] = module
     return out
+
+
+def _strip_wrappers(name: str) -> str:
+    """``"blocks.0._fsdp_wrapped_module.fc"`` → ``"blocks.0.fc"`` (nested FSDP units)."""
+    return ".".join(part for part in name.split(".") if part != FSDP_WRAPPED_SEGMENT)
 
 
 def subtract(deltas: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
     """``param.grad -= delta`` for every pair (delta cast to the gradient's dtype/device)."""
     for param, delta in deltas:
         param.grad.sub_(delta.to(device=param.grad.device, dtype=param.grad.dtype))
+
+
+# ----------------------------------------------------------------------------- FSDP shards
+
+
+class ShardSlice(NamedTuple):
+    """Where this rank's gradient shard of one parameter lies in the flattened full one.
+
+    ``grad_shard = full.reshape(-1)[start:stop]``; ``start == stop`` when this rank
+    holds none of it.
+    """
+
+    shape: torch.Size
+    start: int
+    stop: int
+
+
+def fsdp_shard_slices(model: nn.Module) -> dict[int, ShardSlice]:
+    """``{id(param): ShardSlice}`` of every original parameter of an FSDP1 model.
+
+    Read from each unit's ``FlatParameter`` metadata (``_shapes``,
+    ``_shard_param_infos``); parameters shared within a unit take their primary's
+    slice.
+
+    Raises:
+        NotImplementedError: a unit built without ``use_orig_params=True``.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    out: dict[int, ShardSlice] = {}
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        handle = unit._handle
+        if handle is None:
+            continue
+        if not handle._use_orig_params:
+            raise NotImplementedError(
+                "DataSelectionCallback under FSDP needs FullyShardedDataParallel(..., "
+                "use_orig_params=True): it edits each original parameter's gradient shard."
+            )
+        flat = handle.flat_param
+        for param, shape, info in zip(flat._params, flat._shapes, flat._shard_param_infos):
+            if info.in_shard:
+                start, stop = info.intra_param_start_idx, info.intra_param_end_idx + 1
+            else:
+                start = stop = 0
+            out[id(param)] = ShardSlice(torch.Size(shape), start, stop)
+        for param, shared in zip(flat._shared_params or [], flat._shared_param_infos):
+            primary = getattr(shared.prim_module, shared.prim_param_name)
+            out[id(param)] = out[id(primary)]
+    return out
+
+
+def subtract_shards(
+    deltas: list[tuple[nn.Parameter, torch.Tensor]], shards: Mapping[int, ShardSlice]
+) -> None:
+    """``param.grad -= delta.flatten()[start:stop]`` for every full-shape delta this rank holds."""
+    for param, delta in deltas:
+        piece = shards[id(param)]
+        if param.grad is None or piece.start == piece.stop:
+            continue
+        local = delta.reshape(-1)[piece.start : piece.stop]
+        param.grad.sub_(local.reshape(param.grad.shape).to(param.grad.device, param.grad.dtype))

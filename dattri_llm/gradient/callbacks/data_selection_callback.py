@@ -38,8 +38,8 @@ class DataSelectionCallback(HookManagerCallback):
     """Drop the samples that hurt a target from each step's parameter gradients.
 
     Args:
-        model: the trained model (the DDP wrapper under DDP); layers are resolved
-            on its unwrapped module.
+        model: the trained model (the DDP / FSDP wrapper when wrapped); layers are
+            resolved on its unwrapped module.
         target: ``"batch"`` (score against the batch's own summed gradient),
             ``"fixed"`` (against ``target_gradient``) or ``"val_loader"`` (against
             the gradient of ``val_loss_fn`` on batches drawn from ``val_loader``).
@@ -121,7 +121,8 @@ class DataSelectionCallback(HookManagerCallback):
         Raises:
             ValueError: the manager projects or materializes captures, or
                 preconditions them with an optimizer (removal needs raw factors).
-            NotImplementedError: ``model`` is FSDP-wrapped.
+            NotImplementedError: ``model`` is FSDP2-wrapped, or FSDP1-wrapped without
+                ``use_orig_params=True`` or with ``target="val_loader"``.
         """
         config = hook_manager.config
         if config.projection_kwargs or config.capture_style != "factorized":
@@ -136,11 +137,18 @@ class DataSelectionCallback(HookManagerCallback):
                 "DataSelectionCallback needs raw captures: build its HookManager without "
                 "optimizer= (preconditioned capture)."
             )
-        if is_fsdp(self.model) or type(self.model).__name__.startswith("FSDP"):
+        if type(self.model).__name__.startswith("FSDP"):
             raise NotImplementedError(
-                "DataSelectionCallback under FSDP (each rank editing its gradient shard) is not "
-                "implemented yet; use DDP or a single process."
+                "DataSelectionCallback under FSDP2 (fully_shard) is not implemented; use "
+                "FullyShardedDataParallel(..., use_orig_params=True), DDP or a single process."
             )
+        if is_fsdp(self.model):
+            sel.fsdp_shard_slices(self.model)  # NotImplementedError without use_orig_params
+            if self.target == "val_loader":
+                raise NotImplementedError(
+                    "DataSelectionCallback: target='val_loader' is not supported under FSDP (a "
+                    "second backward inside the training step); use target='batch' or 'fixed'."
+                )
         self._manager = hook_manager
 
     # ------------------------------------------------------------------ the step
@@ -148,22 +156,37 @@ class DataSelectionCallback(HookManagerCallback):
     def on_step_end(self, record: GradientRecord) -> None:
         """Score the batch, choose the dropped samples and remove their contributions.
 
-        Under DDP (synchronizing step) the work runs after the reducer wrote the
-        averaged gradients, and every rank takes part in the collective removal.
+        Under DDP (synchronizing step) and FSDP the work runs after the averaged
+        gradients are written (FSDP: reduce-scattered into each rank's shard), and
+        every rank takes part in the collective removal.
         """
         if self._capturing_target:
             self._captured.append(record)
             return
-        if _is_ddp(self.model) and dist_world_size() > 1 and self.model.require_backward_grad_sync:
+        if self._is_collective():
             if self.selection_kwargs["layer_wise"]:
                 raise NotImplementedError(
                     "DataSelectionCallback: selection_kwargs['layer_wise'] is not implemented "
-                    "under DDP; use global selection."
+                    "under DDP or FSDP; use global selection."
                 )
             if not queue_after_backward_finalization(lambda: self._run(record, collective=True)):
                 self._run(record, collective=True)
             return
         self._run(record, collective=False)
+
+    def _is_collective(self) -> bool:
+        """Whether this step's removal is collective: a synchronizing DDP step (world > 1)
+        or any FSDP step (``NotImplementedError`` inside FSDP's ``no_sync()``)."""
+        if is_fsdp(self.model):
+            if not self.model._sync_gradients:
+                raise NotImplementedError(
+                    "DataSelectionCallback under FSDP inside no_sync() (unsharded accumulated "
+                    "gradients) is not implemented; accumulate without no_sync()."
+                )
+            return True
+        return (
+            _is_ddp(self.model) and dist_world_size() > 1 and self.model.require_backward_grad_sync
+        )
 
     def _run(self, record: GradientRecord, *, collective: bool) -> None:
         with torch.no_grad():
@@ -212,7 +235,11 @@ class DataSelectionCallback(HookManagerCallback):
     def _remove_collectively(
         self, record: GradientRecord, dropped: list[int], root: nn.Module
     ) -> None:
-        """DDP: every rank subtracts ``all_reduce(Σ_i w_i dW_i) / world`` (one flat collective)."""
+        """Every rank subtracts ``all_reduce(Σ_i w_i dW_i) / world`` (one flat collective).
+
+        DDP: from the whole ``param.grad``. FSDP: the deltas are formed at full
+        parameter shape on every rank and each rank subtracts the slice of its shard.
+        """
         batch = record.gradient.batch_size
         counts = all_reduce_sum(torch.tensor([float(len(dropped)), float(batch)]))
         weights = sel.removal_weights(
@@ -222,11 +249,16 @@ class DataSelectionCallback(HookManagerCallback):
             n_dropped=int(counts[0]),
             n_total=int(counts[1]),
         )
+        shards = sel.fsdp_shard_slices(self.model) if is_fsdp(self.model) else None
         deltas = [
             pair
             for name, module in sel.removable_layers(record, root).items()
             for pair in sel.layer_deltas(
-                record.gradient.data[name], record.gradient.layer_types[name], module, weights
+                record.gradient.data[name],
+                record.gradient.layer_types[name],
+                module,
+                weights,
+                shards,
             )
         ]
         if not deltas:
@@ -234,7 +266,11 @@ class DataSelectionCallback(HookManagerCallback):
         flat = torch.cat([d.reshape(-1).float() for _, d in deltas])
         flat = all_reduce_sum(flat) / dist_world_size()
         pieces = flat.split([d.numel() for _, d in deltas])
-        sel.subtract([(p, piece.reshape(d.shape)) for (p, d), piece in zip(deltas, pieces)])
+        averaged = [(p, piece.reshape(d.shape)) for (p, d), piece in zip(deltas, pieces)]
+        if shards is None:
+            sel.subtract(averaged)
+        else:
+            sel.subtract_shards(averaged, shards)
 
     # ------------------------------------------------------------------ targets
 

@@ -287,14 +287,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
 
     def checkpoints(self) -> list[int]:
         """``[0]``: curvature methods use one checkpoint (``UserWarning`` if the task has more)."""
-        if self.num_checkpoints() > 1:
-            warnings.warn(
-                f"{type(self).__name__} uses the first checkpoint only; the task has "
-                f"{self.num_checkpoints()} and the others are ignored.",
-                UserWarning,
-                stacklevel=3,
-            )
-        return [0]
+        return self._first_checkpoint_only()
 
     def fit_meta(self) -> dict[str, Any]:
         """Settings a persisted fit must match to be reused (damping excluded)."""

@@ -19,12 +19,12 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Sampler
 
 from dattri_llm.gradient._replay import ReplayGradientSource, open_snapshots
 from dattri_llm.gradient._training import (
@@ -137,6 +137,9 @@ class GradientStreamer:
     process without a process group it stays unwrapped (``UserWarning``).
     Otherwise it is wrapped in ``DistributedDataParallel`` when
     ``args.world_size > 1``. Under FSDP, clipping uses the wrapper's global norm.
+    With ``args.world_size > 1`` and ``shard=True`` each rank streams its own
+    part of the dataset, without padding (`_UnpaddedShardBatches`): every
+    sample on exactly one rank, the same number of batches on every rank.
 
     ``precondition=True`` captures optimizer update directions instead of raw
     gradients (``ops.precondition`` with the optimizer state before the
@@ -313,24 +316,30 @@ class GradientStreamer:
     def _make_loader(self, shuffle: bool) -> DataLoader:
         """A fresh loader over the dataset, ``batch_size`` per batch.
 
-        ``world_size>1`` and ``shard``: a ``DistributedSampler`` (seeded by
-        ``data_seed``). Otherwise ``shuffle`` hands a generator seeded by
-        ``data_seed`` to the ``DataLoader`` itself (not to a sampler: the loader
-        draws its base seed from that generator before the permutation, so the
-        order is the one a ``Trainer`` gets); without ``shuffle``, dataset order.
+        ``world_size>1`` and ``shard``: this rank's batches of an unpadded shard
+        (`_UnpaddedShardBatches`, permutation seeded by ``data_seed``): every
+        sample on exactly one rank, the same batch count on every rank.
+        Otherwise ``shuffle`` hands a generator seeded by ``data_seed`` to the
+        ``DataLoader`` itself (not to a sampler: the loader draws its base seed
+        from that generator before the permutation, so the order is the one a
+        ``Trainer`` gets); without ``shuffle``, dataset order.
         """
         args = self._args
-        sampler, generator = None, None
+        batching: dict[str, Any] = {"batch_size": self._batch_size}
         if args.world_size > 1 and self._shard:
-            sampler = DistributedSampler(
-                self._dataset,
-                num_replicas=args.world_size,
-                rank=args.process_index,
-                shuffle=shuffle,
-                seed=self._data_seed(),
-            )
+            batching = {
+                "batch_sampler": _UnpaddedShardBatches(
+                    len(self._dataset),
+                    self._batch_size,
+                    world_size=args.world_size,
+                    rank=args.process_index,
+                    shuffle=shuffle,
+                    seed=self._data_seed(),
+                )
+            }
         elif shuffle:
             generator = torch.Generator().manual_seed(self._data_seed())
+            batching.update(shuffle=True, generator=generator)
         workers = args.dataloader_num_workers
         extra: dict[str, Any] = {}
         if workers > 0:
@@ -339,13 +348,10 @@ class GradientStreamer:
                 extra["prefetch_factor"] = args.dataloader_prefetch_factor
         return DataLoader(
             self._dataset,
-            batch_size=self._batch_size,
-            shuffle=generator is not None,
-            sampler=sampler,
-            generator=generator,
             collate_fn=self._collate_fn,
             num_workers=workers,
             pin_memory=args.dataloader_pin_memory,
+            **batching,
             **extra,
         )
 
@@ -545,13 +551,17 @@ class GradientStreamer:
         batch = move_batch(batch, torch.device(self._args.device))
         self._manager.reset_steps(index)
         self._capture.record = None
-        with precondition_mode(self._manager, self._precondition):
+        with ExitStack() as stack:
+            stack.enter_context(precondition_mode(self._manager, self._precondition))
+            targets = stack.enter_context(self._backward_targets())
             with autocast_for(self._args):
                 loss = check_loss(self._loss_fn(self._forward_model, batch), index, self.role)
             if loss_divisor > 1:
                 loss = loss / loss_divisor
             if self._scaler is not None:
-                self._scaler.scale(loss).backward()
+                loss = self._scaler.scale(loss)
+            if targets:  # the captured outputs only: no weight gradient is computed
+                torch.autograd.grad(loss, targets, allow_unused=True)
             else:
                 loss.backward()
         record = take_record(self._capture, index, f"batch {index}")
@@ -559,6 +569,24 @@ class GradientStreamer:
         if self._scaler is not None:
             block = unscale_gradient(block, float(self._scaler.get_scale()))
         return block, record_identifiers(record)
+
+    def _backward_targets(self) -> AbstractContextManager[list[torch.Tensor] | None]:
+        """Where a frozen probe may backpropagate to the hooked outputs only.
+
+        A probe discards its parameter gradients, so when every capture comes
+        from a hooked layer output (no ``param_grad`` or invasive layer), the
+        model is not wrapped (DDP / FSDP reduce parameter gradients in the
+        backward) and activations are not recomputed (gradient checkpointing),
+        the backward runs ``torch.autograd.grad`` on the outputs the hooks
+        recorded and skips every weight-gradient GEMM. Otherwise ``None``.
+        """
+        if (
+            self.enable_update
+            or self._forward_model is not self._model
+            or self._args.gradient_checkpointing
+        ):
+            return nullcontext(None)
+        return self._manager._collect_backward_targets()
 
     def _apply_pending_update(self) -> None:
         if self._pending_update:
@@ -588,6 +616,83 @@ class GradientStreamer:
             return
         trainable = [p for p in self._model.parameters() if p.requires_grad]
         nn.utils.clip_grad_norm_(trainable, max_norm)
+
+
+class _UnpaddedShardBatches(Sampler[list[int]]):
+    """One rank's batches of a dataset split over ``world_size`` ranks without padding.
+
+    The rank holds ``perm[rank::world_size]``, where ``perm`` is
+    ``torch.randperm(n, generator=torch.Generator().manual_seed(seed))`` with
+    ``shuffle`` and ``range(n)`` without (``DistributedSampler``'s permutation
+    at epoch 0), so the union over the ranks is the dataset, each sample once;
+    shard sizes differ by at most one. Unlike ``DistributedSampler``, no sample
+    is repeated to even them out (a repeated sample would enter curvature fits
+    and scores twice).
+
+    Every rank runs the same number of batches, ``ceil(ceil(n / world_size) /
+    batch_size)``, since a wrapped model (DDP, FSDP) runs collectives in every
+    forward and backward: batches hold ``batch_size`` consecutive indices of the
+    shard, except that a rank whose shard would fill one batch fewer splits its
+    last batches so that each holds at least one sample (see `_batch_sizes`).
+    ``ValueError`` on every rank when a shard has fewer samples than batches
+    (``n < world_size``, or ``batch_size == 1`` with ``n`` not a multiple of
+    ``world_size``).
+    """
+
+    def __init__(
+        self, n: int, batch_size: int, *, world_size: int, rank: int, shuffle: bool, seed: int
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
+        self._n, self._world_size, self._rank = n, world_size, rank
+        self._shuffle, self._seed = shuffle, seed
+        self._batches = math.ceil(math.ceil(n / world_size) / batch_size)
+        if n // world_size < self._batches:  # the smallest shard, the same check on every rank
+            raise ValueError(
+                f"cannot split {n} samples over {world_size} ranks in batches of {batch_size}: "
+                f"every rank must run {self._batches} batches (a wrapped model runs collectives "
+                f"in each forward and backward) but the smallest shard holds {n // world_size} "
+                "samples; use a batch size of at least 2 and at least world_size samples, or a "
+                "dataset whose size is a multiple of world_size"
+            )
+        self._sizes = _batch_sizes(len(range(rank, n, world_size)), self._batches, batch_size)
+
+    def _indices(self) -> list[int]:
+        """This rank's dataset indices, ``perm[rank::world_size]``."""
+        if self._shuffle:
+            generator = torch.Generator().manual_seed(self._seed)
+            perm = torch.randperm(self._n, generator=generator).tolist()
+        else:
+            perm = list(range(self._n))
+        return perm[self._rank :: self._world_size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """This rank's batches of dataset indices, in shard order."""
+        indices = self._indices()
+        start = 0
+        for size in self._sizes:
+            yield indices[start : start + size]
+            start += size
+
+    def __len__(self) -> int:
+        """Batches per pass (the same on every rank)."""
+        return self._batches
+
+
+def _batch_sizes(count: int, batches: int, batch_size: int) -> list[int]:
+    """Sizes of ``batches`` non-empty batches of at most ``batch_size`` covering ``count`` samples.
+
+    Full batches first; a batch is cut short only so that every later batch
+    still gets a sample (``count=4, batches=2, batch_size=3`` → ``[3, 1]``;
+    ``count=4, batches=3, batch_size=2`` → ``[2, 1, 1]``). Needs ``batches <=
+    count <= batches * batch_size``.
+    """
+    sizes = []
+    for remaining in range(batches, 0, -1):
+        size = min(batch_size, count - (remaining - 1))
+        sizes.append(size)
+        count -= size
+    return sizes
 
 
 def _is_cuda(args: AttributionArguments) -> bool:

@@ -59,9 +59,8 @@ from dattri_llm.gradient.ops.dot import effective_dims
 from dattri_llm.gradient.ops.kronecker import (
     FisherAccumulator,
     KroneckerAccumulator,
-    check_damped_curvature,
+    checked_spd_inverse,
     damping_for,
-    dense_inverse,
     ekfac_materialize,
     ekfac_precondition,
     ekfac_rotation_prefers_factors,
@@ -69,7 +68,6 @@ from dattri_llm.gradient.ops.kronecker import (
     kfac_precondition,
     kfac_precondition_materialized,
     kfac_rows,
-    sym_inverse,
 )
 from dattri_llm.gradient.ops.materialize import materialize
 from dattri_llm.gradient.ops.types import (
@@ -528,10 +526,9 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         for name, matrix in raw_fisher.items():
             shift = damping_for(matrix, damping, self.relative_damping)
             try:
-                check_damped_curvature(matrix, shift, "dense_inverse")
+                fisher[name] = checked_spd_inverse(matrix, shift, "dense_inverse")
             except ValueError as error:
                 raise _layer_error(name, error) from None
-            fisher[name] = dense_inverse(matrix, shift)
         self._factors = self._hold(factors)
         self._fisher_inverse = self._hold(fisher)
 
@@ -1190,16 +1187,17 @@ class KFACAttributor(KroneckerAttributor):
         return self.covariance_pass(train_source, fisher_acc)
 
     def damp(self, raw_factors: Mapping[str, Any], damping: float) -> dict[str, Any]:
-        """``{layer: ((A+λ_A I)⁻¹, (G+λ_G I)⁻¹)}`` via ``sym_inverse``."""
+        """``{layer: ((A+λ_A I)⁻¹, (G+λ_G I)⁻¹)}``; a singular damped factor is refused."""
         damped = {}
         for name, (a_cov, g_cov) in raw_factors.items():
             shifts = [damping_for(m, damping, self.relative_damping) for m in (a_cov, g_cov)]
-            try:  # the inverse ops return inf/nan on singular input: refuse it first
-                for matrix, shift in zip((a_cov, g_cov), shifts):
-                    check_damped_curvature(matrix, shift, "sym_inverse")
+            try:
+                damped[name] = tuple(
+                    checked_spd_inverse(matrix, shift, "sym_inverse")
+                    for matrix, shift in zip((a_cov, g_cov), shifts)
+                )
             except ValueError as error:
                 raise _layer_error(name, error) from None
-            damped[name] = (sym_inverse(a_cov, shifts[0]), sym_inverse(g_cov, shifts[1]))
         return damped
 
     def precondition_test_layer(self, value: Any, layer_type: str, factors: Any) -> Any:

@@ -433,6 +433,28 @@ class HookManager:
         if callable(on_register):
             on_register(self)
 
+    @contextlib.contextmanager
+    def _collect_backward_targets(self) -> Iterator[list[torch.Tensor] | None]:
+        """Record the layer outputs whose gradients the hooks capture (forward runs inside).
+
+        Yields the list the hooked layers append their backpropagated outputs to
+        during the block, so a caller that needs no parameter gradients can run
+        ``torch.autograd.grad(loss, targets)``: every capture hook fires and no
+        weight gradient is computed. Yields ``None`` when such a backward would
+        miss a capture (``param_grad`` layers, ``invasive_linear_io`` layers).
+        """
+        if self.param_layer_names or self._invasive:
+            yield None
+            return
+        targets: list[torch.Tensor] = []
+        for capture in self._captures.values():
+            capture.target_sink = targets
+        try:
+            yield targets
+        finally:
+            for capture in self._captures.values():
+                capture.target_sink = None
+
     # ------------------------------------------------------------------ collection
 
     @contextlib.contextmanager

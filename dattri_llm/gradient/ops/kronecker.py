@@ -254,6 +254,24 @@ def dense_inverse(matrix: Tensor, damping: float = 0.0) -> Tensor:
         return sym_inverse(matrix, damping)
 
 
+def checked_spd_inverse(matrix: Tensor, damping: float, fn: str) -> Tensor:
+    """``(M + damping·I)⁻¹`` float32, refusing a damped matrix that is not positive definite.
+
+    With ``damping > 0`` a Cholesky factorisation both checks and inverts (a
+    fraction of an ``eigh``); when it fails, or undamped, :func:`check_damped_curvature`
+    decides (``ValueError`` naming ``fn``) and :func:`sym_inverse` inverts.
+    """
+    _check_square(matrix, fn)
+    if damping > 0:
+        m = matrix.float()
+        shifted = m + damping * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
+        factor, info = torch.linalg.cholesky_ex(shifted)
+        if not int(info) and bool(torch.isfinite(factor).all()):
+            return torch.cholesky_inverse(factor)
+    check_damped_curvature(matrix, damping, fn)
+    return sym_inverse(matrix, damping)
+
+
 # --------------------------------------------------------------------------- K-FAC
 
 
@@ -334,6 +352,19 @@ def kfac_cross(
     )  # fmt: skip
 
 
+def sandwich(left: Tensor, blocks: Tensor, right: Tensor) -> Tensor:
+    """``left @ blocks[b] @ right`` for every ``b`` ``(B, m', n')`` of ``blocks`` ``(B, m, n)``.
+
+    Two folded GEMMs (``(B·m, n)·right``, then ``(B·n', m)·leftᵀ``) instead of
+    broadcast matmuls, which run as ``B`` small products.
+    """
+    batch, m, _n = blocks.shape
+    right_done = (blocks.reshape(batch * m, -1) @ right).reshape(batch, m, -1)
+    n_out = right_done.shape[2]
+    swapped = right_done.transpose(1, 2).reshape(batch * n_out, m)
+    return (swapped @ left.T).reshape(batch, n_out, -1).transpose(1, 2)
+
+
 def kfac_precondition_materialized(block: Tensor, A_inv: Tensor, G_inv: Tensor) -> Tensor:
     """``G⁻¹·dW·A⁻¹`` flattened ``(B, k_g·k_a)`` of dense rows laid out ``(k_g, k_a)``.
 
@@ -349,7 +380,7 @@ def kfac_precondition_materialized(block: Tensor, A_inv: Tensor, G_inv: Tensor) 
         )
     dtype = _floor_dtype(rows, A_inv, G_inv)
     dw = rows.to(dtype).reshape(-1, k_g, k_a)
-    return (G_inv.to(dtype) @ dw @ A_inv.to(dtype)).reshape(rows.shape[0], -1)
+    return sandwich(G_inv.to(dtype), dw, A_inv.to(dtype)).reshape(rows.shape[0], -1)
 
 
 # --------------------------------------------------------------------------- EK-FAC
@@ -422,7 +453,7 @@ def ekfac_materialize(
         )
     dtype = _floor_dtype(rows, U_A, U_G)
     dw = rows.to(dtype).reshape(-1, left.shape[0], right.shape[0])
-    return (left.to(dtype).T @ dw @ right.to(dtype)).reshape(rows.shape[0], -1)
+    return sandwich(left.to(dtype).T, dw, right.to(dtype)).reshape(rows.shape[0], -1)
 
 
 def ekfac_precondition(M: Tensor, U_A: Tensor, U_G: Tensor, lam: Tensor, layer_type: str) -> Tensor:
@@ -440,7 +471,7 @@ def ekfac_precondition(M: Tensor, U_A: Tensor, U_G: Tensor, lam: Tensor, layer_t
             f"{tuple(U_A.shape)} and U_G {tuple(U_G.shape)}."
         )
     scaled = M.to(dtype).reshape(shape) / lam.to(dtype).reshape(shape[1:])
-    return (left.to(dtype) @ scaled @ right.to(dtype).T).reshape(M.shape[0], -1)
+    return sandwich(left.to(dtype), scaled, right.to(dtype).T).reshape(M.shape[0], -1)
 
 
 # --------------------------------------------------------------------------- accumulators
@@ -461,6 +492,30 @@ def _accumulator_layer_type(layer_type: str, module_kwargs: dict | None, fn: str
             "final factors."
         )
     return layer_type
+
+
+# Gram panels: row panels of this many columns; a (d, d) sum with d above it is
+# accumulated on and below the diagonal only (about half the FLOPs of a full GEMM).
+GRAM_PANEL = 128
+
+
+def add_gram_lower_(total: Tensor, rows: Tensor) -> None:
+    """``total += rowsᵀ·rows`` on and below the diagonal panels, in place.
+
+    ``rows`` is ``(N, d)``, ``total`` ``(d, d)``. Row panel ``i`` gets columns
+    ``0 … end_i`` only, so entries above the diagonal panels are left stale:
+    read the sum with :func:`symmetric_from_lower`.
+    """
+    rows = rows.to(total)
+    width = rows.shape[1]
+    for start in range(0, width, GRAM_PANEL):
+        end = min(start + GRAM_PANEL, width)
+        total[start:end, :end].addmm_(rows[:, start:end].T, rows[:, :end])
+
+
+def symmetric_from_lower(total: Tensor) -> Tensor:
+    """The symmetric matrix whose lower triangle is ``total``'s (a new tensor)."""
+    return torch.tril(total) + torch.tril(total, -1).T
 
 
 class _LayerSums(Protocol):
@@ -532,11 +587,12 @@ class LayerKroneckerAccumulator:
         if a_rows.shape[0] == 0:
             return
         if self.a_sum is None:
-            self.a_sum, self.g_sum = a_rows.T @ a_rows, g_rows.T @ g_rows
+            self.a_sum = a_rows.new_zeros(a_rows.shape[1], a_rows.shape[1])
+            self.g_sum = g_rows.new_zeros(g_rows.shape[1], g_rows.shape[1])
         else:
             self._check_widths(a_rows.shape[1], g_rows.shape[1], layer_type)
-            self.a_sum.addmm_(a_rows.T.to(self.a_sum), a_rows.to(self.a_sum))
-            self.g_sum.addmm_(g_rows.T.to(self.g_sum), g_rows.to(self.g_sum))
+        add_gram_lower_(self.a_sum, a_rows)
+        add_gram_lower_(self.g_sum, g_rows)
         self.rows += a_rows.shape[0]
 
     def _check_widths(self, k: int, d: int, layer_type: str) -> None:
@@ -557,7 +613,9 @@ class LayerKroneckerAccumulator:
 
     def partial_sums(self) -> tuple[list[Tensor], int] | None:
         """``([Σ a aᵀ, Σ g gᵀ], rows)``, or ``None`` before the first kept row."""
-        return None if self.a_sum is None else ([self.a_sum, self.g_sum], self.rows)
+        if self.a_sum is None:
+            return None
+        return [symmetric_from_lower(self.a_sum), symmetric_from_lower(self.g_sum)], self.rows
 
     def load_sums(self, sums: list[Tensor], count: int) -> None:
         """Replace the sums by ``[Σ a aᵀ, Σ g gᵀ]`` over ``count`` rows (e.g. reduced ones)."""
@@ -573,12 +631,12 @@ class LayerKroneckerAccumulator:
             self._require("all_reduce")
 
     def result(self, *, consume: bool = False) -> tuple[Tensor, Tensor]:
-        """``(A, G)`` = sums / row count; ``consume=True`` normalises in place and resets."""
+        """``(A, G)`` = sums / row count (new tensors); ``consume=True`` also resets."""
         self._require("result")
-        if not consume:
-            return self.a_sum / self.rows, self.g_sum / self.rows
-        a, g = self.a_sum.div_(self.rows), self.g_sum.div_(self.rows)
-        self.reset()
+        a, g = symmetric_from_lower(self.a_sum), symmetric_from_lower(self.g_sum)
+        a, g = a.div_(self.rows), g.div_(self.rows)
+        if consume:
+            self.reset()
         return a, g
 
     def reset(self) -> None:

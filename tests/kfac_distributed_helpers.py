@@ -10,14 +10,14 @@ Two scenarios, both with 2 gloo ranks (``init_process_group`` with a short
 timeout, so a rank left waiting fails instead of hanging):
 
 * ``live``: ``WORLD_SIZE=2`` / ``RANK=r``; the attributor's own live path
-  (``attribute(train, test)``) shards the train set with its
-  ``DistributedSampler`` (``shuffle=False``: rank ``r`` gets rows ``r, r+2, ...``)
+  (``attribute(train, test)``) shards the train set without padding
+  (``shuffle=False``: rank ``r`` gets rows ``r, r+2, ...``)
   and wraps the model in DDP (``find_unused_parameters``). Rank 1 never runs
   ``side``, rank 0 runs it in 2 of its 3 batches. Covariances come from the
   capture callback; a small ``kept_gradient_budget`` keeps a different number
   of first-pass blocks on each rank (rank 0's blocks are larger).
-* ``per_rank``: uneven shards (the sampler pads shards to equal length, so the
-  live path cannot produce them): no ``WORLD_SIZE``, each rank calls
+* ``per_rank``: uneven shards with uneven batch counts (the live path runs the
+  same number of batches on every rank): no ``WORLD_SIZE``, each rank calls
   ``attribute`` on its own shard under the process group (rank 0: 3 batches,
   rank 1: 1 batch that skips ``side``), ``covariances_at_capture=False`` (the
   covariances come from the blocks' factors) and ``non_kfac_strategy="direct"``

@@ -167,16 +167,11 @@ def run_dattri_llm(proj: str, n_queries: int) -> dict:
     return metrics
 
 
-def run_kronfluence(proj: str, n_queries: int) -> dict:
-    from kronfluence.analyzer import Analyzer, prepare_model
-    from kronfluence.arguments import FactorArguments, ScoreArguments
+def kronfluence_task(names: list[str]) -> object:
+    """A kronfluence ``Task``: ``sum_loss`` as training loss and measurement, ``names`` tracked."""
     from kronfluence.task import Task
 
-    model = build_model()
-    train, test = build_data(n_queries)
-    names = linear_names(model)
-
-    class GradDotTask(Task):
+    class SumLossTask(Task):
         def compute_train_loss(self, batch, model, sample=False):
             return sum_loss(model, batch)
 
@@ -186,7 +181,16 @@ def run_kronfluence(proj: str, n_queries: int) -> dict:
         def get_influence_tracked_modules(self):
             return names
 
-    task = GradDotTask()
+    return SumLossTask()
+
+
+def run_kronfluence(proj: str, n_queries: int) -> dict:
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+
+    model = build_model()
+    train, test = build_data(n_queries)
+    task = kronfluence_task(linear_names(model))
     model = prepare_model(model, task)
     out = tempfile.mkdtemp()
     analyzer = Analyzer("throughput", model, task, cpu=True, disable_tqdm=True, output_dir=out)

@@ -13,11 +13,11 @@ single-process ones.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from free_port import free_port
 from kfac_distributed_helpers import (
     FISHER_LAYER,
     KFAC_LAYERS,
@@ -40,12 +40,6 @@ UNIONS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``{scenario: ([rank results], single-process result, reference)}``, run once each."""
@@ -55,7 +49,7 @@ def runs(tmp_path_factory):
     for scenario in SCENARIO_OPTIONS:
         mp.start_processes(
             worker,
-            args=(scenario, f"tcp://127.0.0.1:{_free_port()}", str(root)),
+            args=(scenario, f"tcp://127.0.0.1:{free_port()}", str(root)),
             nprocs=WORLD,
             join=True,
             start_method="fork",
@@ -143,7 +137,7 @@ def test_accumulators_reduce_the_union_of_the_ranks_layers():
 
     mp.start_processes(
         accumulator_worker,
-        args=(f"tcp://127.0.0.1:{_free_port()}",),
+        args=(f"tcp://127.0.0.1:{free_port()}",),
         nprocs=WORLD,
         join=True,
         start_method="fork",

@@ -6,13 +6,12 @@ part of an independent backward over the kept samples only.
 
 from __future__ import annotations
 
-import socket
-
 import data_selection_helpers as h
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from free_port import free_port
 
 from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
 from dattri_llm.gradient.callbacks.data_selection_callback import DataSelectionCallback
@@ -20,12 +19,6 @@ from dattri_llm.gradient.hooks.manager import HookManager
 
 WORLD, LOCAL = 2, 4
 RENORMALIZE = (False, True)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def fixed_target() -> object:
@@ -69,7 +62,7 @@ def ddp_results(tmp_path_factory):
     target = fixed_target()
     mp.start_processes(
         worker,
-        args=(f"tcp://127.0.0.1:{_free_port()}", str(out), target),
+        args=(f"tcp://127.0.0.1:{free_port()}", str(out), target),
         nprocs=WORLD,
         join=True,
         start_method="fork",
@@ -142,7 +135,7 @@ def test_fsdp_selection_edits_each_shard_like_a_kept_only_backward(tmp_path):
     target = fixed_target()
     mp.start_processes(
         fsdp_worker,
-        args=(f"tcp://127.0.0.1:{_free_port()}", str(tmp_path), target),
+        args=(f"tcp://127.0.0.1:{free_port()}", str(tmp_path), target),
         nprocs=WORLD,
         join=True,
         start_method="fork",

@@ -9,8 +9,6 @@ the replicas held at that step, then scores the merged store with TracIn.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -33,6 +31,7 @@ from ddp_capture_helpers import (
     step_rows,
     train_and_capture,
 )
+from free_port import free_port
 
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
@@ -40,12 +39,6 @@ from dattri_llm.gradient.callbacks.offload_callback import OffloadCallback
 from dattri_llm.gradient.hooks.manager import HookManager
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.hashing import hash_sample
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _flat_reference(case: Case, grads: dict, layer_types: dict[str, str]) -> dict:
@@ -72,7 +65,7 @@ def ddp_run(request, tmp_path_factory):
     states = parameter_trajectory(case)  # also imports everything before the fork
     mp.start_processes(
         ddp_worker,
-        args=(case.name, f"tcp://127.0.0.1:{_free_port()}", str(root / "train")),
+        args=(case.name, f"tcp://127.0.0.1:{free_port()}", str(root / "train")),
         nprocs=WORLD,
         join=True,
         start_method="fork",
@@ -173,7 +166,7 @@ def test_tracin_over_merged_store_equals_single_process_capture(ddp_run, tmp_pat
 def test_param_grad_record_under_ddp_is_the_all_reduced_gradient(tmp_path):
     mp.start_processes(
         param_grad_worker,
-        args=(f"tcp://127.0.0.1:{_free_port()}", str(tmp_path)),
+        args=(f"tcp://127.0.0.1:{free_port()}", str(tmp_path)),
         nprocs=WORLD,
         join=True,
         start_method="fork",

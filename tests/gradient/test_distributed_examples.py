@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import warnings
 
 import pytest
@@ -31,6 +30,7 @@ from distributed_example_helpers import (
     has_extra_batch,
     queries,
 )
+from free_port import free_port
 
 from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
@@ -41,12 +41,6 @@ from dattri_llm.gradient.storage_manager import RANKS_FILE, GradientStorageManag
 from dattri_llm.utils.hashing import hash_sample
 
 RUNS = [(wrap, False) for wrap in WRAPS] + [("ddp", True), ("fsdp1", True)]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _ids(rows: torch.Tensor) -> list[str]:
@@ -74,7 +68,7 @@ def _captured(wrap: str, uneven: bool, tmp_path_factory) -> tuple:
             warnings.simplefilter("ignore")  # FSDP on CPU / gloo warns about its device
             mp.start_processes(
                 capture_worker,
-                args=(wrap, uneven, f"tcp://127.0.0.1:{_free_port()}", str(root / "merged")),
+                args=(wrap, uneven, f"tcp://127.0.0.1:{free_port()}", str(root / "merged")),
                 nprocs=WORLD,
                 join=True,
                 start_method="fork",

@@ -14,18 +14,11 @@ training able to go on to the same end point. See ``probe_distributed_helpers``.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
+from free_port import free_port
 
 pytest.importorskip("transformers")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +35,7 @@ def outcomes(tmp_path_factory):
     names = [scenario.name for scenario in SCENARIOS]
     mp.start_processes(
         probe_worker,
-        args=(_free_port(), str(out), names),
+        args=(free_port(), str(out), names),
         nprocs=WORLD,
         join=True,
         start_method="fork",

@@ -15,12 +15,12 @@ ranks cover the train set exactly once and equal the single-process rows.
 from __future__ import annotations
 
 import os
-import socket
 from collections import Counter
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from free_port import free_port
 from kfac_distributed_helpers import KFAC_LAYERS, WORLD, reference
 from torch import nn
 from unpadded_sharding_helpers import TRAIN_SIZES, run_methods, train_set, worker
@@ -93,12 +93,6 @@ def test_shards_too_small_for_a_common_batch_count_raise_on_every_rank(
 # --------------------------------------------------------------------------- 2 ranks
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``{n: ([rank results], single-process result)}`` (one 2-rank run for all sizes)."""
@@ -106,7 +100,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("unpadded_sharding")
     mp.start_processes(
         worker,
-        args=(f"tcp://127.0.0.1:{_free_port()}", str(root)),
+        args=(f"tcp://127.0.0.1:{free_port()}", str(root)),
         nprocs=WORLD,
         join=True,
         start_method="fork",

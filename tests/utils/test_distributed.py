@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.multiprocessing as mp
+from free_port import free_port
 from utils_helpers import distributed_worker
 
 from dattri_llm.utils import distributed
@@ -36,14 +35,8 @@ def test_helpers_when_distributed_is_unavailable(monkeypatch):
     dist_barrier()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_process_gloo_rank_world_size_all_reduce_and_barrier():
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     mp.start_processes(
         distributed_worker, args=(2, init_method), nprocs=2, join=True, start_method="fork"
     )

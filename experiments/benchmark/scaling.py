@@ -60,11 +60,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
-from throughput import RESULTS, kronfluence_task, linear_names, machine_line, measure
+from throughput import (
+    RESULTS,
+    kronfluence_task,
+    linear_names,
+    machine_line,
+    time_kronfluence,
+)
 from throughput_kfac import (
     BATCH,
     DAMPING,
@@ -141,31 +146,7 @@ def run_kronfluence(method: str, n_train: int, hidden: int) -> dict:
     factor_args = FactorArguments(strategy=strategy, use_empirical_fisher=True)
     score_args = ScoreArguments(damping_factor=None)
 
-    def attribute(tag: str, train_set: list[dict]) -> None:
-        analyzer.fit_all_factors(
-            tag,
-            train_set,
-            per_device_batch_size=BATCH,
-            factor_args=factor_args,
-            overwrite_output_dir=True,
-        )
-        analyzer.compute_pairwise_scores(
-            tag,
-            tag,
-            test,
-            train_set,
-            per_device_query_batch_size=BATCH,
-            per_device_train_batch_size=BATCH,
-            score_args=score_args,
-            overwrite_output_dir=True,
-        )
-
-    attribute("warmup", train[:BATCH])
-    metrics = measure(lambda: attribute("run", train))
-    scores = analyzer.load_pairwise_scores("run")["all_modules"]  # (num_queries, num_train)
-    metrics["checksum"] = float(scores.double().abs().sum())
-    metrics["version"] = f"kronfluence {version('kronfluence')}, torch {torch.__version__}"
-    return metrics
+    return time_kronfluence(analyzer, train, test, factor_args, score_args)
 
 
 # ------------------------------------------------------------------------------------ driver

@@ -184,6 +184,41 @@ def kronfluence_task(names: list[str]) -> object:
     return SumLossTask()
 
 
+def time_kronfluence(
+    analyzer: object, train: list, test: list, factor_args: object, score_args: object
+) -> dict:
+    """Warm up on one batch, then time ``fit_all_factors`` + ``compute_pairwise_scores``.
+
+    Returns ``measure``'s metrics with the scores' absolute sum and the versions.
+    """
+
+    def attribute(tag: str, train_set: list) -> None:
+        analyzer.fit_all_factors(
+            tag,
+            train_set,
+            per_device_batch_size=BATCH,
+            factor_args=factor_args,
+            overwrite_output_dir=True,
+        )
+        analyzer.compute_pairwise_scores(
+            tag,
+            tag,
+            test,
+            train_set,
+            per_device_query_batch_size=BATCH,
+            per_device_train_batch_size=BATCH,
+            score_args=score_args,
+            overwrite_output_dir=True,
+        )
+
+    attribute("warmup", train[:BATCH])
+    metrics = measure(lambda: attribute("run", train))
+    scores = analyzer.load_pairwise_scores("run")["all_modules"]  # (num_queries, num_train)
+    metrics["checksum"] = float(scores.double().abs().sum())
+    metrics["version"] = f"kronfluence {version('kronfluence')}, torch {torch.__version__}"
+    return metrics
+
+
 def run_kronfluence(proj: str, n_queries: int) -> dict:
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments, ScoreArguments
@@ -197,31 +232,7 @@ def run_kronfluence(proj: str, n_queries: int) -> dict:
     factor_args = FactorArguments(strategy="identity")
     score_args = ScoreArguments()
 
-    def attribute(tag, train_set, test_set):
-        analyzer.fit_all_factors(
-            tag,
-            train_set,
-            per_device_batch_size=BATCH,
-            factor_args=factor_args,
-            overwrite_output_dir=True,
-        )
-        analyzer.compute_pairwise_scores(
-            tag,
-            tag,
-            test_set,
-            train_set,
-            per_device_query_batch_size=BATCH,
-            per_device_train_batch_size=BATCH,
-            score_args=score_args,
-            overwrite_output_dir=True,
-        )
-
-    attribute("warmup", train[:BATCH], test)
-    metrics = measure(lambda: attribute("run", train, test))
-    scores = analyzer.load_pairwise_scores("run")["all_modules"]  # (num_queries, num_train)
-    metrics["checksum"] = float(scores.double().abs().sum())
-    metrics["version"] = f"kronfluence {version('kronfluence')}, torch {torch.__version__}"
-    return metrics
+    return time_kronfluence(analyzer, train, test, factor_args, score_args)
 
 
 def run_logix(proj: str, n_queries: int) -> dict:

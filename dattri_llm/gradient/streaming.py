@@ -48,7 +48,7 @@ from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
 from dattri_llm.gradient.datasets import DiskGradientSource, check_dataset, rebatch_blocks
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
-from dattri_llm.gradient.hooks.manager import HookManager
+from dattri_llm.gradient.hooks.manager import HookManager, _BackwardTargets
 from dattri_llm.gradient.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.wrapping import (
     _build_auto_wrap_policy as _build_auto_wrap_policy,  # named here by the API contract
@@ -560,8 +560,9 @@ class GradientStreamer:
                 loss = loss / loss_divisor
             if self._scaler is not None:
                 loss = self._scaler.scale(loss)
-            if targets:  # the captured outputs only: no weight gradient is computed
-                torch.autograd.grad(loss, targets, allow_unused=True)
+            outputs = None if targets is None else targets.tensors()
+            if outputs:  # to the captured outputs only: no weight gradient is computed
+                torch.autograd.grad(loss, outputs, allow_unused=True)
             else:
                 loss.backward()
         record = take_record(self._capture, index, f"batch {index}")
@@ -570,7 +571,7 @@ class GradientStreamer:
             block = unscale_gradient(block, float(self._scaler.get_scale()))
         return block, record_identifiers(record)
 
-    def _backward_targets(self) -> AbstractContextManager[list[torch.Tensor] | None]:
+    def _backward_targets(self) -> AbstractContextManager[_BackwardTargets | None]:
         """Where a frozen probe may backpropagate to the hooked outputs only.
 
         A probe discards its parameter gradients, so when every capture comes
@@ -578,7 +579,8 @@ class GradientStreamer:
         model is not wrapped (DDP / FSDP reduce parameter gradients in the
         backward) and activations are not recomputed (gradient checkpointing),
         the backward runs ``torch.autograd.grad`` on the outputs the hooks
-        recorded and skips every weight-gradient GEMM. Otherwise ``None``.
+        recorded (unless one was modified in place) and skips every
+        weight-gradient GEMM. Otherwise ``None``.
         """
         if (
             self.enable_update

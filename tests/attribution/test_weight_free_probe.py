@@ -99,3 +99,34 @@ def test_param_grad_layers_keep_the_full_backward(setup):
         )
     assert "fc2.weight" in fired  # the param_grad capture needs its parameter gradient
     torch.testing.assert_close(score.scores, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_output_modified_in_place_keeps_the_full_backward(tmp_path):
+    """``ReLU(inplace=True)`` on a hooked output moves it off the node its hook sits on."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 5), torch.nn.ReLU(inplace=True), torch.nn.Linear(5, 3)
+    )
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 4, generator=gen), torch.randn(4, 3, generator=gen)
+
+    def loss(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).sum()
+
+    def per_sample_gradient(i):
+        model.zero_grad()
+        loss(model, {"x": x[i : i + 1], "y": y[i : i + 1]}).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    grads = torch.stack([per_sample_gradient(i) for i in range(4)])
+    model.zero_grad(set_to_none=True)
+    args = AttributionArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+    )
+    data = as_dicts(x, y)
+    score = TracInAttributor(args, task=AttributionTask(loss, model)).attribute(data, data)
+    torch.testing.assert_close(score.scores, grads @ grads.T, rtol=1e-5, atol=1e-5)
+    assert sorted(score.layer_name) == ["0", "2"]

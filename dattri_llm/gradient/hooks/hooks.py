@@ -379,7 +379,7 @@ class LayerCapture:
         self.decisions = {} if decisions is None else decisions
         self.preconditioner = preconditioner
         # set by HookManager._collect_backward_targets: backpropagated outputs go here
-        self.target_sink: list[torch.Tensor] | None = None
+        self.target_sink: Any = None
         self.logra_at_forward = (
             projection is not None
             and projection.get("style", "logra") == "logra"
@@ -452,7 +452,7 @@ class LayerCapture:
                 self.on_forward(self.name)
         out.register_hook(lambda grad: self._grad_hook(entry, grad))
         if self.target_sink is not None:
-            self.target_sink.append(out)
+            self.target_sink.add(out)
 
     def _grad_hook(self, entry: _Pending, grad: torch.Tensor) -> None:
         buffered = entry.collecting and self.gate()

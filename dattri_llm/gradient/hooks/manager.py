@@ -153,6 +153,28 @@ def _virtual_layers(name: str, captures: list[Capture]) -> dict[str, list[Captur
     return layers
 
 
+class _BackwardTargets:
+    """Hooked layer outputs recorded during one forward, each with its version at recording."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[torch.Tensor, int]] = []
+
+    def add(self, output: torch.Tensor) -> None:
+        """Record ``output`` (its capture hook was just registered on it)."""
+        self._entries.append((output, output._version))
+
+    def tensors(self) -> list[torch.Tensor] | None:
+        """The recorded outputs; ``None`` when there are none or one was modified in place.
+
+        An in-place op after the hook (``nn.ReLU(inplace=True)`` on a linear
+        output) moves the tensor onto a new autograd node, while its capture
+        hook stays on the old one, which a backward to the tensor need not reach.
+        """
+        if not self._entries or any(t._version != v for t, v in self._entries):
+            return None
+        return [tensor for tensor, _version in self._entries]
+
+
 class HookManager:
     """Capture per-sample gradients from any loop that calls ``backward()``.
 
@@ -434,19 +456,20 @@ class HookManager:
             on_register(self)
 
     @contextlib.contextmanager
-    def _collect_backward_targets(self) -> Iterator[list[torch.Tensor] | None]:
+    def _collect_backward_targets(self) -> Iterator[_BackwardTargets | None]:
         """Record the layer outputs whose gradients the hooks capture (forward runs inside).
 
-        Yields the list the hooked layers append their backpropagated outputs to
-        during the block, so a caller that needs no parameter gradients can run
-        ``torch.autograd.grad(loss, targets)``: every capture hook fires and no
-        weight gradient is computed. Yields ``None`` when such a backward would
-        miss a capture (``param_grad`` layers, ``invasive_linear_io`` layers).
+        Yields the ``_BackwardTargets`` the hooked layers add their
+        backpropagated outputs to during the block, so a caller that needs no
+        parameter gradients can run ``torch.autograd.grad(loss, targets.tensors())``:
+        every capture hook fires and no weight gradient is computed. Yields
+        ``None`` when such a backward would miss a capture (``param_grad`` layers,
+        ``invasive_linear_io`` layers).
         """
         if self.param_layer_names or self._invasive:
             yield None
             return
-        targets: list[torch.Tensor] = []
+        targets = _BackwardTargets()
         for capture in self._captures.values():
             capture.target_sink = targets
         try:

@@ -39,6 +39,7 @@ from dattri_llm.gradient.ops.types import (
     is_conv_transpose,
     is_embedding,
     is_kfac_eligible,
+    is_linear,
     is_norm,
     resolve_layer_type,
 )
@@ -122,6 +123,59 @@ def kfac_rows(
         if not bool(kept.all()):
             a_rows, g_rows = a_rows[kept], g_rows[kept]
     return a_rows, g_rows
+
+
+def _has_ones_column(layer_type: str, module_kwargs: dict | None, include_bias: bool) -> bool:
+    """Whether preprocessing appends a ones (bias) column to ``a`` (linear and conv with a bias)."""
+    return (
+        include_bias
+        and module_kwargs is not None
+        and bool(module_kwargs.get("has_bias", False))
+        and (is_linear(layer_type) or is_conv(layer_type))
+    )
+
+
+# Dropped rows are subtracted from the Gram sum of all rows while they are at most this
+# share of the batch; above it they are masked out (a copy of the kept rows).
+_SUBTRACT_DROPPED_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class _GramRows:
+    """One batch's rows for the K-FAC sums, without copies on the common path.
+
+    ``a`` ``(N, K)`` and ``g`` ``(N, D)`` hold every token row; ``a`` lacks the
+    ones column when ``ones_column``. ``dropped`` (few, all-finite ``a`` rows of
+    exactly zero ``g``) are to be subtracted from ``Σ a aᵀ``; their ``g`` rows add
+    nothing to ``Σ g gᵀ``. ``kept`` is ``N`` minus the dropped count.
+    """
+
+    a: Tensor
+    g: Tensor
+    ones_column: bool
+    dropped: Tensor | None
+    kept: int
+
+
+def _gram_rows(
+    a: Tensor, g: Tensor, layer_type: str, module_kwargs: dict | None, include_bias: bool
+) -> _GramRows:
+    """The rows :func:`kfac_rows` selects, for accumulation (see :class:`_GramRows`)."""
+    _check_kfac_type(layer_type, "kfac_factors")
+    ones_column = _has_ones_column(layer_type, module_kwargs, include_bias)
+    a, g = _preprocessed_3d(a, g, layer_type, module_kwargs, include_bias and not ones_column)
+    a_rows, g_rows = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+    n = a_rows.shape[0]
+    if _keeps_zero_rows(layer_type) or n == 0:
+        return _GramRows(a_rows, g_rows, ones_column, None, n)
+    kept = g_rows.abs().amax(dim=1) != 0
+    n_kept = int(kept.sum())
+    if n_kept == n:
+        return _GramRows(a_rows, g_rows, ones_column, None, n)
+    dropped = a_rows[~kept]
+    if n - n_kept <= _SUBTRACT_DROPPED_SHARE * n and bool(torch.isfinite(dropped).all()):
+        return _GramRows(a_rows, g_rows, ones_column, dropped, n_kept)
+    return _GramRows(a_rows[kept], g_rows[kept], ones_column, None, n_kept)
 
 
 def kfac_factors(
@@ -277,10 +331,19 @@ def checked_spd_inverse(matrix: Tensor, damping: float, fn: str) -> Tensor:
 
 
 def _check_inverse_widths(
-    a: Tensor, g: Tensor, a_inv: Tensor, g_inv: Tensor, layer_type: str, fn: str
+    a: Tensor,
+    g: Tensor,
+    a_inv: Tensor,
+    g_inv: Tensor,
+    layer_type: str,
+    fn: str,
+    ones_column: bool = False,
 ) -> None:
-    """``ValueError`` unless ``A⁻¹`` is ``(K, K)`` and ``G⁻¹`` is ``(D, D)`` for these factors."""
-    k, d = a.shape[-1], g.shape[-1]
+    """``ValueError`` unless ``A⁻¹`` is ``(K, K)`` and ``G⁻¹`` is ``(D, D)`` for these factors.
+
+    ``ones_column``: ``a`` lacks the bias column, so ``K`` is its width plus one.
+    """
+    k, d = a.shape[-1] + ones_column, g.shape[-1]
     if tuple(a_inv.shape) != (k, k) or tuple(g_inv.shape) != (d, d):
         raise ValueError(
             f"{fn}({layer_type}): preprocessed factors have widths K={k} (activation) and "
@@ -407,9 +470,20 @@ def ekfac_materialize_factors(
     Conv-transpose: ``vec(U_Aᵀ·dW·U_G)`` in its ``(K, D)`` layout.
     """
     _check_kfac_type(layer_type, "ekfac_materialize")
-    a, g = _preprocessed_3d(a, g, layer_type, module_kwargs, include_bias)
-    _check_inverse_widths(a, g, U_A, U_G, layer_type, "ekfac_materialize")
-    return materialize_factors(a @ U_A.to(a), g @ U_G.to(g), layer_type)
+    ones_column = _has_ones_column(layer_type, module_kwargs, include_bias)
+    a, g = _preprocessed_3d(a, g, layer_type, module_kwargs, include_bias and not ones_column)
+    _check_inverse_widths(a, g, U_A, U_G, layer_type, "ekfac_materialize", ones_column)
+    return materialize_factors(_rotate_rows(a, U_A, ones_column), g @ U_G.to(g), layer_type)
+
+
+def _rotate_rows(a: Tensor, U: Tensor, ones_column: bool) -> Tensor:
+    """``[a, 1]·U`` ``(B, S, K+1)`` as ``a·U[:K] + U[K]`` (no copy, no odd-width GEMM), else ``a·U``."""
+    U = U.to(a)
+    if not ones_column:
+        return a @ U
+    k = a.shape[-1]
+    rows = torch.addmm(U[k], a.reshape(-1, k), U[:k])
+    return rows.reshape(*a.shape[:-1], k + 1)
 
 
 def ekfac_materialize(
@@ -487,18 +561,38 @@ def _accumulator_layer_type(layer_type: str, module_kwargs: dict | None, fn: str
 GRAM_PANEL = 128
 
 
-def add_gram_lower_(total: Tensor, rows: Tensor) -> None:
-    """``total += rowsᵀ·rows`` on and below the diagonal panels, in place.
+def add_gram_lower_(total: Tensor, rows: Tensor, alpha: float = 1.0) -> None:
+    """``total += alpha·rowsᵀ·rows`` on and below the diagonal panels, in place.
 
-    ``rows`` is ``(N, d)``, ``total`` ``(d, d)``. Row panel ``i`` gets columns
-    ``0 … end_i`` only, so entries above the diagonal panels are left stale:
-    read the sum with :func:`symmetric_from_lower`.
+    ``rows`` is ``(N, d)``, ``total`` ``(d, d)`` (a view is fine). Row panel
+    ``i`` gets columns ``0 … end_i`` only, so entries above the diagonal panels
+    are left stale: read the sum with :func:`symmetric_from_lower`.
     """
     rows = rows.to(total)
     width = rows.shape[1]
     for start in range(0, width, GRAM_PANEL):
         end = min(start + GRAM_PANEL, width)
-        total[start:end, :end].addmm_(rows[:, start:end].T, rows[:, :end])
+        total[start:end, :end].addmm_(rows[:, start:end].T, rows[:, :end], alpha=alpha)
+
+
+def _add_rows_to_sums_(a_sum: Tensor, g_sum: Tensor, rows: _GramRows) -> None:
+    """Add a batch's kept rows to the lower-triangle sums ``Σ a aᵀ`` ``(K', K')``, ``Σ g gᵀ``.
+
+    With a ones column the body ``[:K, :K]`` gets the Gram of the ``K``
+    activation columns and the last row ``[Σ aᵀ, N]`` (no ``(N, K+1)`` copy, no
+    odd-width GEMM); dropped rows are subtracted.
+    """
+    k = rows.a.shape[1]
+    add_gram_lower_(a_sum[:k, :k], rows.a)
+    add_gram_lower_(g_sum, rows.g)
+    if rows.dropped is not None:
+        add_gram_lower_(a_sum[:k, :k], rows.dropped, alpha=-1.0)
+    if rows.ones_column:
+        column_sum = rows.a.sum(0, dtype=a_sum.dtype)
+        if rows.dropped is not None:
+            column_sum -= rows.dropped.sum(0, dtype=a_sum.dtype)
+        a_sum[k, :k] += column_sum
+        a_sum[k, k] += rows.kept
 
 
 def symmetric_from_lower(total: Tensor) -> Tensor:
@@ -571,17 +665,18 @@ class LayerKroneckerAccumulator:
         layer_type = _accumulator_layer_type(
             layer_type, module_kwargs, "LayerKroneckerAccumulator.update"
         )
-        a_rows, g_rows = kfac_rows(a, g, layer_type, module_kwargs, include_bias)
-        if a_rows.shape[0] == 0:
+        rows = _gram_rows(a, g, layer_type, module_kwargs, include_bias)
+        if rows.kept == 0:
             return
+        k, d = rows.a.shape[1] + rows.ones_column, rows.g.shape[1]
         if self.a_sum is None:
-            self.a_sum = a_rows.new_zeros(a_rows.shape[1], a_rows.shape[1])
-            self.g_sum = g_rows.new_zeros(g_rows.shape[1], g_rows.shape[1])
+            dtype = _floor_dtype(rows.a, rows.g)
+            self.a_sum = rows.a.new_zeros(k, k, dtype=dtype)
+            self.g_sum = rows.g.new_zeros(d, d, dtype=dtype)
         else:
-            self._check_widths(a_rows.shape[1], g_rows.shape[1], layer_type)
-        add_gram_lower_(self.a_sum, a_rows)
-        add_gram_lower_(self.g_sum, g_rows)
-        self.rows += a_rows.shape[0]
+            self._check_widths(k, d, layer_type)
+        _add_rows_to_sums_(self.a_sum, self.g_sum, rows)
+        self.rows += rows.kept
 
     def _check_widths(self, k: int, d: int, layer_type: str) -> None:
         """``ValueError`` unless a batch of widths ``(K, D)`` fits the accumulated sums."""

@@ -188,8 +188,10 @@ def test_ekfac_matches_dense_eigenbasis_operator(kind, dtype):
     torch.testing.assert_close(got, expected, rtol=TOL[dtype] * 20, atol=TOL[dtype] * 20)
 
 
-def test_ekfac_materialize_dense_equals_factorized():
-    layer_type, _, x, r, grads, kw, _ = _case("conv", torch.float64)
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_ekfac_materialize_dense_equals_factorized(kind):
+    layer_type, module, x, r, grads, kw, _ = _case(kind, torch.float64)
+    assert module.bias is not None  # the factor route rotates the ones column separately
     _, U_A, _, U_G = kfac_eigh(*kfac_factors(x, r, layer_type, kw))
     from_factors = ekfac_materialize(Factorized(x, r, kw), layer_type, U_A, U_G)
     torch.testing.assert_close(ekfac_materialize(grads, layer_type, U_A, U_G), from_factors)

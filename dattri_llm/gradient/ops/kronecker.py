@@ -477,7 +477,7 @@ def ekfac_materialize_factors(
 
 
 def _rotate_rows(a: Tensor, U: Tensor, ones_column: bool) -> Tensor:
-    """``[a, 1]·U`` ``(B, S, K+1)`` as ``a·U[:K] + U[K]`` (no copy, no odd-width GEMM), else ``a·U``."""
+    """``[a, 1]·U`` ``(B, S, K+1)`` as ``a·U[:K] + U[K]`` (no copy, no odd width); else ``a·U``."""
     U = U.to(a)
     if not ones_column:
         return a @ U

@@ -24,6 +24,16 @@ seconds of the call and growth of peak RSS (VmHWM) over the RSS before the call 
 ``throughput.measure``). Each configuration runs ``--repeats`` times in interleaved rounds;
 medians are reported, with the ratio to the matching Grad-Dot median.
 
+``floor`` (run once per round, in its own process) times the arithmetic no implementation
+of the method can skip, at this machine's single-thread BLAS rate, on the workload's layer
+shapes: the covariance sums (half of the ``XᵀX`` GEMMs of every batch: the lower triangle),
+and for EK-FAC the ``eigh`` of every factor, the rotation of every training sample into the
+eigenbasis (the cheaper of the token-row and the dense route, as timed) and the
+materialization of the rotated gradient whose squares are summed (a kept run can score
+with it, so only a re-run pays it on top of P). ``P + floor`` is then the least time a
+kept-gradient run can take; a re-run plan adds the model pass without scoring (P minus
+Grad-Dot's own scoring GEMMs, also timed) once per extra pass.
+
 ``--profile CONFIG`` runs one configuration in this process under ``cProfile`` and prints
 the top functions by cumulative and by own time (``--top`` rows).
 
@@ -144,6 +154,82 @@ def run_worker(config: str, workload: dict) -> dict:
     return metrics
 
 
+def layer_shapes(hidden: int) -> list[tuple[int, int]]:
+    """``(K, D)`` of the 4 hooked linear layers of one GPT-NeoX block (bias column in K)."""
+    return [(hidden + 1, 3 * hidden), (hidden + 1, hidden), (hidden + 1, 4 * hidden),
+            (4 * hidden + 1, hidden)]  # fmt: skip
+
+
+def best_seconds(fn, repeats: int = 3) -> float:
+    """Fastest of ``repeats`` timed calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def layer_floor(k: int, d: int, gen: torch.Generator) -> tuple[dict[str, float], float]:
+    """Seconds per batch of one ``(K, D)`` layer's unavoidable GEMMs, and of its two ``eigh``."""
+    a = torch.randn(BATCH, SEQ, k, generator=gen)
+    g = torch.randn(BATCH, SEQ, d, generator=gen)
+    a2, g2 = a.reshape(-1, k), g.reshape(-1, d)
+    u_a = torch.linalg.qr(torch.randn(k, k, generator=gen))[0]
+    u_g = torch.linalg.qr(torch.randn(d, d, generator=gen))[0]
+    dw = torch.bmm(g.transpose(1, 2), a)
+    queries = torch.randn(N_QUERIES, d * k, generator=gen)
+    per_batch = {
+        "covariance": best_seconds(lambda: (a2.T @ a2, g2.T @ g2)) / 2,
+        "rotation": min(
+            best_seconds(lambda: (a @ u_a, g @ u_g)), best_seconds(lambda: u_g.T @ dw @ u_a)
+        ),
+        "rotated_materialize": best_seconds(lambda: torch.bmm(g.transpose(1, 2), a)),
+        "graddot_scoring": best_seconds(
+            lambda: torch.bmm(g.transpose(1, 2), a).reshape(BATCH, -1) @ queries.T
+        ),
+    }
+    sym_a, sym_g = a2.T @ a2, g2.T @ g2
+    eigh = best_seconds(lambda: (torch.linalg.eigh(sym_a), torch.linalg.eigh(sym_g)), repeats=1)
+    return per_batch, eigh
+
+
+def floor_worker(workload: dict) -> dict:
+    """Seconds of the unavoidable K-FAC / EK-FAC arithmetic on this workload (see docstring)."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    batches, layers = workload["n_train"] // BATCH, 4
+    out = dict.fromkeys(
+        ("covariance", "eigh", "rotation", "rotated_materialize", "graddot_scoring"), 0.0
+    )
+    for k, d in layer_shapes(workload["hidden"]):
+        per_batch, eigh = layer_floor(k, d, gen)
+        for key, seconds in per_batch.items():
+            out[key] += seconds * batches * layers
+        out["eigh"] += eigh * layers
+    return out
+
+
+def floor_ratios(p_seconds: float, floor: dict) -> dict[str, float]:
+    """Least time of each full configuration in units of P (see the module docstring).
+
+    A kept EK-FAC run could reuse the rotated gradients it materializes for the
+    eigenvalue correction in scoring, so its floor counts that materialization
+    once (inside P); a re-run materializes it again.
+    """
+    cov = floor["covariance"]
+    ekfac_extra = cov + floor["eigh"] + floor["rotation"]
+    model_pass = p_seconds - floor["graddot_scoring"]
+    return {
+        "kfac": (p_seconds + cov) / p_seconds,
+        "ekfac": (p_seconds + ekfac_extra) / p_seconds,
+        "kfac-rerun": (p_seconds + model_pass + cov) / p_seconds,
+        "ekfac-rerun": (p_seconds + 2 * model_pass + ekfac_extra + floor["rotated_materialize"])
+        / p_seconds,
+    }
+
+
 def profile(config: str, workload: dict, top: int) -> None:
     """Run ``config`` once under cProfile (after a warm-up) and print the top functions."""
     torch.set_num_threads(1)
@@ -235,9 +321,35 @@ def render(runs: dict[str, list[dict]], workload: dict, opts: argparse.Namespace
     return "\n".join(lines) + "\n"
 
 
+def render_floor(runs: dict[str, list[dict]], floors: list[dict]) -> str:
+    """The arithmetic floor section: seconds of each part and the least ratio per config."""
+    floors = [f for f in floors if "skipped" not in f]
+    graddot = [r["seconds"] for r in runs.get("graddot", []) if "skipped" not in r]
+    if not floors or not graddot:
+        return ""
+    floor = {key: statistics.median(f[key] for f in floors) for key in floors[0]}
+    p_seconds = statistics.median(graddot)
+    parts = ", ".join(f"{key.replace('_', ' ')} {value:.2f} s" for key, value in floor.items())
+    lines = [
+        "",
+        "## Arithmetic floor (`floor`, medians over the rounds)",
+        "",
+        f"Unavoidable GEMMs on this machine: {parts}. Least time of each full configuration, "
+        "in units of this run's P:",
+        "",
+        "| config | floor (x P) | measured (x P) |",
+        "|---|---|---|",
+    ]
+    for config, ratio in floor_ratios(p_seconds, floor).items():
+        measured = [r["seconds"] for r in runs.get(config, []) if "skipped" not in r]
+        shown = f"{statistics.median(measured) / p_seconds:.2f}" if measured else "-"
+        lines.append(f"| {config} | {ratio:.2f} | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=CONFIGS + CACHE_CONFIGS)
+    parser.add_argument("--worker", choices=(*CONFIGS, *CACHE_CONFIGS, "floor"))
     parser.add_argument("--profile", choices=CONFIGS + CACHE_CONFIGS)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--wide", action="store_true", help="hidden 512, 8 heads, 64 sequences")
@@ -248,6 +360,9 @@ def main() -> None:
     opts = parser.parse_args()
     opts.workload = "wide" if opts.wide else "narrow"
     workload = WORKLOADS[opts.workload]
+    if opts.worker == "floor":
+        print(json.dumps(floor_worker(workload)), flush=True)
+        return
     if opts.worker:
         print(json.dumps(run_worker(opts.worker, workload)), flush=True)
         return
@@ -256,13 +371,16 @@ def main() -> None:
         return
     configs = [c for c in opts.configs.split(",") if c]
     runs: dict[str, list[dict]] = {c: [] for c in configs}
+    floors: list[dict] = []
     for _ in range(opts.repeats):  # interleaved rounds, so background load hits all alike
         for config in configs:
             result = run_child(config, opts.wide)
             runs[config].append(result)
             print(config, result, flush=True)
+        floors.append(run_child("floor", opts.wide))
+        print("floor", floors[-1], flush=True)
     out = Path(opts.out or RESULTS / f"throughput_kfac_{opts.workload}.md")
-    out.write_text(render(runs, workload, opts))
+    out.write_text(render(runs, workload, opts) + render_floor(runs, floors))
     print(f"wrote {out}")
 
 

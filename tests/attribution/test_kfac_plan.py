@@ -67,6 +67,14 @@ def _close(got, expected):
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4 * scale)
 
 
+def _same(got, expected):
+    """Equal to float32 rounding: an EK-FAC plan that keeps every block scores in the
+    eigenbasis (no rotate-back), the others rotate the queries back; both are within
+    ~2e-6 of the float64 reference's scale and ~5e-7 of each other here."""
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize(("cls", "method", "passes"), METHODS)
 def test_kept_rerun_and_part_kept_plans_score_identically(tmp_path, cls, method, passes):
     model, train, test = _setup()
@@ -84,14 +92,14 @@ def test_kept_rerun_and_part_kept_plans_score_identically(tmp_path, cls, method,
     assert rerun.algorithm_meta["pass_plan"]["source_passes"] == passes
     assert rerun.algorithm_meta["pass_plan"]["kept_bytes"] == 0
     _close(rerun.scores, expected)
-    torch.testing.assert_close(rerun.scores, kept.scores, rtol=1e-6, atol=0)
+    _same(rerun.scores, kept.scores)
 
     part = _attribute(tmp_path, cls, model, train, test, block_bytes + 1)  # one block fits
     plan = part.algorithm_meta["pass_plan"]
     assert (plan["kept_blocks"], plan["kept_bytes"]) == (1, block_bytes)
     assert plan["source_passes"] == passes
     assert plan["recomputed_blocks"] == (blocks - 1) * (passes - 1)
-    torch.testing.assert_close(part.scores, kept.scores, rtol=1e-6, atol=0)
+    _same(part.scores, kept.scores)
     assert part.train_ids == kept.train_ids == rerun.train_ids
 
 
@@ -104,7 +112,7 @@ def test_budget_below_one_block_runs_the_rerun_plan(tmp_path, cls, method, passe
     plan = small.algorithm_meta["pass_plan"]
     assert (plan["kept_blocks"], plan["kept_bytes"]) == (0, 0)
     assert plan["source_passes"] == passes == plan["passes"]
-    torch.testing.assert_close(small.scores, kept.scores, rtol=1e-6, atol=0)
+    _same(small.scores, kept.scores)
 
 
 @pytest.mark.parametrize(("cls", "method", "passes"), METHODS)
@@ -119,7 +127,7 @@ def test_token_scores_identical_under_every_plan(tmp_path, cls, method, passes):
     assert results[2].algorithm_meta["pass_plan"]["kept_blocks"] == 1
     for score in results:
         _close(score.scores.reshape(N_TRAIN, tokens, N_TEST), expected)
-        torch.testing.assert_close(score.scores, results[0].scores, rtol=1e-6, atol=0)
+        _same(score.scores, results[0].scores)
     assert results[1].algorithm_meta["pass_plan"]["source_passes"] == passes
 
 
@@ -143,20 +151,70 @@ def test_covariances_accumulated_once_per_layer_and_batch(
     assert len(calls) == len(MLP_LAYERS) * (N_TRAIN // BATCH)
 
 
+@pytest.mark.parametrize("budget", [None, 0])
 @pytest.mark.parametrize("factors", [True, False])
-def test_ekfac_rotation_routes_give_identical_scores(tmp_path, factors, monkeypatch):
-    from dattri_llm.attribution.algorithm import kronecker
+def test_ekfac_rotation_routes_give_identical_scores(tmp_path, factors, budget, monkeypatch):
+    from dattri_llm.attribution.algorithm import _ekfac_eigenbasis, kronecker
 
     routes = []
-    monkeypatch.setattr(
-        kronecker,
-        "ekfac_rotation_prefers_factors",
-        lambda s, k, d: routes.append((s, k, d)) or factors,
-    )
+
+    def rule(s, k, d):
+        routes.append((s, k, d))
+        return factors
+
+    monkeypatch.setattr(kronecker, "ekfac_rotation_prefers_factors", rule)
+    monkeypatch.setattr(_ekfac_eigenbasis, "ekfac_rotation_prefers_factors", rule)
     model, train, test = _setup()
-    score = _attribute(tmp_path, EKFACAttributor, model, train, test, None)
+    score = _attribute(tmp_path, EKFACAttributor, model, train, test, budget)
     assert routes  # the eigenvalue pass asked the cost rule for each factorized layer
     _close(score.scores, _reference(model, train, test, "ekfac"))
+
+
+@pytest.mark.parametrize(
+    ("budget", "granularity", "rotated_back"),
+    [
+        (None, "instance", False),
+        (None, "token", False),
+        (0, "instance", True),
+        (500, "instance", True),
+    ],
+)
+def test_ekfac_scores_kept_blocks_in_the_eigenbasis(
+    tmp_path, budget, granularity, rotated_back, monkeypatch
+):
+    """Every block kept: the eigenvalue pass rotates them and the queries are not rotated
+    back; a re-run or part-kept plan rotates the queries back. Scores match the reference."""
+    from dattri_llm.attribution.algorithm import kronecker
+
+    calls = []
+    original = kronecker.ekfac_precondition
+    monkeypatch.setattr(
+        kronecker, "ekfac_precondition", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    model, train, test = _setup()
+    score = _attribute(tmp_path, EKFACAttributor, model, train, test, budget, granularity)
+    assert bool(calls) == rotated_back
+    expected = _reference(model, train, test, "ekfac", token=granularity == "token")
+    _close(score.scores.reshape(expected.shape), expected)
+
+
+def test_ekfac_eigenbasis_needs_the_rotated_blocks_within_the_budget(tmp_path, monkeypatch):
+    """Rotated blocks gain the bias column: a budget that holds the captured blocks but
+    not their rotations keeps them unrotated (queries rotated back)."""
+    from dattri_llm.attribution.algorithm import kronecker
+
+    model, train, test = _setup()
+    first = _attribute(tmp_path, EKFACAttributor, model, train, test, None)
+    kept_bytes = first.algorithm_meta["pass_plan"]["kept_bytes"]
+    calls = []
+    original = kronecker.ekfac_precondition
+    monkeypatch.setattr(
+        kronecker, "ekfac_precondition", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    tight = _attribute(tmp_path, EKFACAttributor, model, train, test, kept_bytes)
+    assert tight.algorithm_meta["pass_plan"]["kept_blocks"] == N_TRAIN // BATCH
+    assert calls  # every block kept, but their rotations would exceed the budget
+    _same(tight.scores, first.scores)
 
 
 def test_kept_passes_replay_without_recomputing_the_kept_suffix():

@@ -15,7 +15,7 @@ re-run (a wrapped model runs collectives in every forward/backward).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from dattri_llm.utils.distributed import all_gather_objects
@@ -83,6 +83,34 @@ class KeptPasses:
     def last_pass_next(self) -> None:
         """Release each kept block as the next pass yields it (the final pass)."""
         self._release = True
+
+    @property
+    def keeps_every_block(self) -> bool:
+        """Whether the first pass ran and every one of its blocks is kept (nothing re-runs)."""
+        return self.total_blocks is not None and len(self._kept) == self.total_blocks > 0
+
+    def kept_blocks(self) -> list[Gradient]:
+        """The kept blocks, in pass order (references; do not modify)."""
+        return [block for _step, block, _ids in self._kept]
+
+    def transform_kept(self, fn: Callable[[Gradient], Gradient]) -> None:
+        """A pass that replaces every kept block by ``fn(block)``, one block at a time.
+
+        Only when :attr:`keeps_every_block` (``RuntimeError`` otherwise): later
+        passes then yield the transformed blocks. ``fn`` may consume its
+        argument; each original is released as its replacement is stored.
+        ``kept_bytes`` stays the first pass's (the caller bounds the new sizes).
+        """
+        if not self.keeps_every_block:
+            raise RuntimeError(
+                "KeptPasses.transform_kept: only a plan that keeps every block can transform "
+                f"them ({len(self._kept)} of {self.total_blocks} blocks kept)."
+            )
+        self.passes += 1
+        for index in range(len(self._kept)):
+            step, block, ids = self._kept[index]
+            self._kept[index] = (step, fn(block), ids)
+            del block
 
     def plan(self) -> dict[str, int]:
         """The passes run so far.

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from dattri_llm.attribution.algorithm._ekfac_eigenbasis import rotated_block, rotates_kept_blocks
 from dattri_llm.attribution.algorithm._kfac_plan import (
     DEFAULT_KEPT_GRADIENT_BUDGET as DEFAULT_KEPT_GRADIENT_BUDGET,
 )
@@ -64,6 +65,7 @@ from dattri_llm.gradient.ops.kronecker import (
     ekfac_materialize,
     ekfac_precondition,
     ekfac_rotation_prefers_factors,
+    ekfac_scale,
     kfac_eigh,
     kfac_precondition,
     kfac_precondition_materialized,
@@ -249,6 +251,8 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         # keep (0 for stores and outside attribute), and the plan the last scoring pass ran
         self._kept_budget = 0
         self._pass_plan: dict[str, int] | None = None
+        # EK-FAC: this scoring pass's kept train blocks are in the eigenbasis (no rotate-back)
+        self._test_in_eigenbasis = False
 
     # ------------------------------------------------------------------ options
     def configure(
@@ -638,13 +642,17 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         """
         live = getattr(train_source, "hook_manager", None) is not None
         planned = KeptPasses(train_source, self._kept_budget if live else 0)
-        result = super().score_sources(
-            planned,
-            test_source,
-            loop_over_test=loop_over_test,
-            transform_test=transform_test,
-            attribution_granularity=attribution_granularity,
-        )
+        self._test_in_eigenbasis = False
+        try:
+            result = super().score_sources(
+                planned,
+                test_source,
+                loop_over_test=loop_over_test,
+                transform_test=transform_test,
+                attribution_granularity=attribution_granularity,
+            )
+        finally:  # the eigenbasis test side only pairs with this pass's rotated blocks
+            self._test_in_eigenbasis = False
         self._pass_plan = planned.plan()
         return result
 
@@ -725,6 +733,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         self._warned = set()
         self._kept_budget = 0
         self._pass_plan = None
+        self._test_in_eigenbasis = False
 
     def _use_fisher_dir(self, fisher_dir: str | Path | None) -> None:
         """Load the fit in ``fisher_dir`` if present, else write this call's fit there."""
@@ -1258,14 +1267,20 @@ class EKFACAttributor(KroneckerAttributor):
             bases[name] = (u_a, u_g)
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
-        for _step, block, _ids in train_source:
-            for name in block.data:
-                if name not in bases:
-                    continue
-                coords = self._eigen_coordinates(block, name, *bases[name])
-                squared = coords.square_().sum(dim=0)
-                sums[name] = squared if name not in sums else sums[name] + squared.to(sums[name])
-                counts[name] = counts.get(name, 0) + coords.shape[0]
+
+        def add_squares(name: str, squared: torch.Tensor, samples: int) -> None:
+            sums[name] = squared if name not in sums else sums[name] + squared.to(sums[name])
+            counts[name] = counts.get(name, 0) + samples
+
+        if rotates_kept_blocks(train_source, bases):
+            train_source.transform_kept(lambda block: rotated_block(block, bases, add_squares))
+            self._test_in_eigenbasis = True
+        else:
+            for _step, block, _ids in train_source:
+                for name in block.data:
+                    if name in bases:
+                        coords = self._eigen_coordinates(block, name, *bases[name])
+                        add_squares(name, coords.square_().sum(dim=0), coords.shape[0])
         local = {name: ([total], counts[name]) for name, total in sums.items()}
         factors = {}
         for name, ([total], count) in all_reduce_named_sums(local, "EK-FAC Λ sums").items():
@@ -1327,4 +1342,6 @@ class EKFACAttributor(KroneckerAttributor):
         """``U_G((U_Gᵀ dW U_A)/(Λ+λ))U_Aᵀ`` as a dense ``(B, d)`` block."""
         u_a, u_g, lam = factors
         coords = ekfac_materialize(value, layer_type, u_a, u_g)
+        if self._test_in_eigenbasis:  # the kept train blocks were rotated (_ekfac_eigenbasis)
+            return ekfac_scale(coords, lam)
         return ekfac_precondition(coords, u_a, u_g, lam, layer_type)

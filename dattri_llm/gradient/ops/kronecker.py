@@ -469,11 +469,32 @@ def ekfac_materialize_factors(
 
     Conv-transpose: ``vec(U_Aᵀ·dW·U_G)`` in its ``(K, D)`` layout.
     """
+    rotated_a, rotated_g = ekfac_rotate_factors(
+        a, g, layer_type, U_A, U_G, module_kwargs, include_bias
+    )
+    return materialize_factors(rotated_a, rotated_g, layer_type)
+
+
+def ekfac_rotate_factors(
+    a: Tensor,
+    g: Tensor,
+    layer_type: str,
+    U_A: Tensor,
+    U_G: Tensor,
+    module_kwargs: dict | None = None,
+    include_bias: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Token rows in the eigenbases: ``a'·U_A`` ``(B, S, K)`` and ``g'·U_G`` ``(B, S, D)``.
+
+    Final factors (``module_kwargs=None``): materializing them gives
+    :func:`ekfac_materialize_factors`'s coordinates, and per token
+    ``(U_Gᵀg)ᵀ·M·(U_Aᵀa) = gᵀ·(U_G M U_Aᵀ)·a``.
+    """
     _check_kfac_type(layer_type, "ekfac_materialize")
     ones_column = _has_ones_column(layer_type, module_kwargs, include_bias)
     a, g = _preprocessed_3d(a, g, layer_type, module_kwargs, include_bias and not ones_column)
     _check_inverse_widths(a, g, U_A, U_G, layer_type, "ekfac_materialize", ones_column)
-    return materialize_factors(_rotate_rows(a, U_A, ones_column), g @ U_G.to(g), layer_type)
+    return _rotate_rows(a, U_A, ones_column), g @ U_G.to(g)
 
 
 def _rotate_rows(a: Tensor, U: Tensor, ones_column: bool) -> Tensor:
@@ -516,6 +537,12 @@ def ekfac_materialize(
     dtype = _floor_dtype(rows, U_A, U_G)
     dw = rows.to(dtype).reshape(-1, left.shape[0], right.shape[0])
     return (left.to(dtype).T @ dw @ right.to(dtype)).reshape(rows.shape[0], -1)
+
+
+def ekfac_scale(M: Tensor, lam: Tensor) -> Tensor:
+    """Eigen-coordinates ``M : (B, D·K)`` divided by ``lam`` (``D·K`` values), not rotated back."""
+    dtype = _floor_dtype(M, lam)
+    return M.to(dtype).reshape(M.shape[0], -1) / lam.to(dtype).reshape(1, -1)
 
 
 def ekfac_precondition(M: Tensor, U_A: Tensor, U_G: Tensor, lam: Tensor, layer_type: str) -> Tensor:

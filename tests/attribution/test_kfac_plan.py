@@ -199,19 +199,19 @@ def test_ekfac_scores_kept_blocks_in_the_eigenbasis(
 
 
 def test_ekfac_eigenbasis_needs_the_rotated_blocks_within_the_budget(tmp_path, monkeypatch):
-    """Rotated blocks gain the bias column: a budget that holds the captured blocks but
-    not their rotations keeps them unrotated (queries rotated back)."""
+    """Rotated factors gain the bias column (token scores keep factors): a budget that
+    holds the captured blocks but not their rotations keeps them unrotated."""
     from dattri_llm.attribution.algorithm import kronecker
 
     model, train, test = _setup()
-    first = _attribute(tmp_path, EKFACAttributor, model, train, test, None)
+    first = _attribute(tmp_path, EKFACAttributor, model, train, test, None, "token")
     kept_bytes = first.algorithm_meta["pass_plan"]["kept_bytes"]
     calls = []
     original = kronecker.ekfac_precondition
     monkeypatch.setattr(
         kronecker, "ekfac_precondition", lambda *a, **k: calls.append(1) or original(*a, **k)
     )
-    tight = _attribute(tmp_path, EKFACAttributor, model, train, test, kept_bytes)
+    tight = _attribute(tmp_path, EKFACAttributor, model, train, test, kept_bytes, "token")
     assert tight.algorithm_meta["pass_plan"]["kept_blocks"] == N_TRAIN // BATCH
     assert calls  # every block kept, but their rotations would exceed the budget
     _same(tight.scores, first.scores)

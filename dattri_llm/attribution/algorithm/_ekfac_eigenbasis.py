@@ -3,8 +3,10 @@
 The eigenvalue pass rotates every training sample into the K-FAC eigenbases
 (``U_Gᵀ·dW·U_A``). When the plan keeps all first-pass blocks, that pass
 replaces each kept layer by its rotation, which has the size of what it
-replaces: token rows ``a'·U_A``, ``g·U_G`` for a factorized layer (final
-factors), eigen-coordinates for a dense ``(B, d)`` one. The query side is then
+replaces or less: token rows ``a'·U_A``, ``g·U_G`` for a factorized layer
+(final factors), or its eigen-coordinates ``(B, D·K)`` when they are smaller and
+the scores are per sample (scoring then needs no materialization either); the
+eigen-coordinates of a dense ``(B, d)`` layer. The query side is then
 divided by the corrected eigenvalues and not rotated back, because
 
     ⟨U_G·(M/Λ)·U_Aᵀ, dW⟩ = ⟨M/Λ, U_Gᵀ·dW·U_A⟩,
@@ -42,13 +44,19 @@ _EXACT_DTYPES = (torch.float32, torch.float64)
 
 
 def _rotated_nbytes(
-    value: Factorized | torch.Tensor, layer_type: str, u_a: torch.Tensor, u_g: torch.Tensor
+    value: Factorized | torch.Tensor,
+    layer_type: str,
+    u_a: torch.Tensor,
+    u_g: torch.Tensor,
+    per_sample: bool,
 ) -> int | None:
-    """Bytes of a layer's rotation, or ``None`` when it is not rotated in place.
+    """Bytes of a layer's rotation as kept, or ``None`` when it is not rotated in place.
 
     In place: dense ``(B, d)`` rows, and factorized linear layers whose factor
     route is the cheaper rotation; both in float32/float64 (the rotation's
-    dtype, so the kept bytes do not grow from 16-bit captures).
+    dtype, so the kept bytes do not grow from 16-bit captures). A factorized
+    layer is kept as the smaller of its rotated factors and, for
+    ``per_sample`` scores, its eigen-coordinates.
     """
     if isinstance(value, torch.Tensor):
         if value.dim() != 2 or value.dtype not in _EXACT_DTYPES:
@@ -58,12 +66,14 @@ def _rotated_nbytes(
     if not is_linear(layer_type) or len(dtypes) != 1 or not dtypes <= set(_EXACT_DTYPES):
         return None
     batch, tokens, _k, _d = effective_dims(value, layer_type)
-    if not ekfac_rotation_prefers_factors(tokens, u_a.shape[0], u_g.shape[0]):
+    k, d = u_a.shape[0], u_g.shape[0]
+    if not ekfac_rotation_prefers_factors(tokens, k, d):
         return None
-    return batch * tokens * (u_a.shape[0] + u_g.shape[0]) * value.activation.element_size()
+    kept = min(tokens * (k + d), k * d) if per_sample else tokens * (k + d)
+    return batch * kept * value.activation.element_size()
 
 
-def rotates_kept_blocks(train_source: GradientSource, bases: Bases) -> bool:
+def rotates_kept_blocks(train_source: GradientSource, bases: Bases, per_sample: bool) -> bool:
     """Whether the eigenvalue pass can rotate the kept blocks in place.
 
     The plan must keep every block, every fitted layer of every block must be
@@ -78,7 +88,7 @@ def rotates_kept_blocks(train_source: GradientSource, bases: Bases) -> bool:
             if name not in bases:
                 total += value.nbytes
                 continue
-            size = _rotated_nbytes(value, block.layer_types[name], *bases[name])
+            size = _rotated_nbytes(value, block.layer_types[name], *bases[name], per_sample)
             if size is None:
                 return False
             total += size
@@ -86,9 +96,15 @@ def rotates_kept_blocks(train_source: GradientSource, bases: Bases) -> bool:
 
 
 def rotated_block(
-    block: Gradient, bases: Bases, add_squares: Callable[[str, torch.Tensor, int], None]
+    block: Gradient,
+    bases: Bases,
+    add_squares: Callable[[str, torch.Tensor, int], None],
+    per_sample: bool,
 ) -> Gradient:
     """``block`` with every fitted layer rotated into its eigenbasis (consumes ``block``).
+
+    A factorized layer is kept as eigen-coordinates instead of rotated factors
+    when ``per_sample`` and they are smaller (as :func:`rotates_kept_blocks` sized it).
 
     ``add_squares(name, Σ_samples coords², samples)`` receives each layer's
     squared eigen-coordinates for the eigenvalue correction.
@@ -114,6 +130,8 @@ def rotated_block(
                     )
                 )  # fmt: skip
                 coords = materialize(rotated, layer_type)
+                if per_sample and coords.nbytes < rotated.nbytes:
+                    rotated = coords
         except ValueError as error:
             raise ValueError(f"layer {name!r}: {error}") from None
         add_squares(name, coords.square().sum(dim=0), coords.shape[0])

@@ -253,6 +253,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         self._pass_plan: dict[str, int] | None = None
         # EK-FAC: this scoring pass's kept train blocks are in the eigenbasis (no rotate-back)
         self._test_in_eigenbasis = False
+        self._score_granularity = "instance"  # of the scoring pass under way
 
     # ------------------------------------------------------------------ options
     def configure(
@@ -643,6 +644,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         live = getattr(train_source, "hook_manager", None) is not None
         planned = KeptPasses(train_source, self._kept_budget if live else 0)
         self._test_in_eigenbasis = False
+        self._score_granularity = attribution_granularity
         try:
             result = super().score_sources(
                 planned,
@@ -1272,8 +1274,11 @@ class EKFACAttributor(KroneckerAttributor):
             sums[name] = squared if name not in sums else sums[name] + squared.to(sums[name])
             counts[name] = counts.get(name, 0) + samples
 
-        if rotates_kept_blocks(train_source, bases):
-            train_source.transform_kept(lambda block: rotated_block(block, bases, add_squares))
+        per_sample = self._score_granularity == "instance"
+        if rotates_kept_blocks(train_source, bases, per_sample):
+            train_source.transform_kept(
+                lambda block: rotated_block(block, bases, add_squares, per_sample)
+            )
             self._test_in_eigenbasis = True
         else:
             for _step, block, _ids in train_source:

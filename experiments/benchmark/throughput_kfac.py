@@ -27,6 +27,8 @@ medians are reported, with the ratio to the matching Grad-Dot median.
 ``floor`` (run once per round, in its own process) times the arithmetic no implementation
 of the method can skip, at this machine's single-thread BLAS rate, on the workload's layer
 shapes: the covariance sums (half of the ``XᵀX`` GEMMs of every batch: the lower triangle),
+the transformation of the queries (``G⁻¹·dW·A⁻¹`` or ``U_Gᵀ·dW·U_A``: on the token rows or
+on the gradients, whichever is faster, beyond the materialization Grad-Dot also pays),
 and for EK-FAC the ``eigh`` of every factor, the rotation of every training sample into the
 eigenbasis (the cheaper of the token-row and the dense route, as timed) and the
 materialization of the rotated gradient whose squares are summed (a kept run can score
@@ -171,8 +173,8 @@ def best_seconds(fn, repeats: int = 3) -> float:
     return min(times)
 
 
-def layer_floor(k: int, d: int, gen: torch.Generator) -> tuple[dict[str, float], float]:
-    """Seconds per batch of one ``(K, D)`` layer's unavoidable GEMMs, and of its two ``eigh``."""
+def layer_floor(k: int, d: int, gen: torch.Generator) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds of one ``(K, D)`` layer's unavoidable GEMMs: per batch, and once per fit."""
     a = torch.randn(BATCH, SEQ, k, generator=gen)
     g = torch.randn(BATCH, SEQ, d, generator=gen)
     a2, g2 = a.reshape(-1, k), g.reshape(-1, d)
@@ -191,8 +193,20 @@ def layer_floor(k: int, d: int, gen: torch.Generator) -> tuple[dict[str, float],
         ),
     }
     sym_a, sym_g = a2.T @ a2, g2.T @ g2
-    eigh = best_seconds(lambda: (torch.linalg.eigh(sym_a), torch.linalg.eigh(sym_g)), repeats=1)
-    return per_batch, eigh
+    query_a = torch.randn(N_QUERIES, SEQ, k, generator=gen)
+    query_g = torch.randn(N_QUERIES, SEQ, d, generator=gen)
+    query_dw = torch.bmm(query_g.transpose(1, 2), query_a)
+    once = {
+        "eigh": best_seconds(
+            lambda: (torch.linalg.eigh(sym_a), torch.linalg.eigh(sym_g)), repeats=1
+        ),
+        "query_transform": min(  # rotate the token rows, or the (D, K) gradients
+            best_seconds(lambda: torch.bmm((query_g @ u_g).transpose(1, 2), query_a @ u_a))
+            - best_seconds(lambda: torch.bmm(query_g.transpose(1, 2), query_a)),
+            best_seconds(lambda: u_g.T @ query_dw @ u_a),
+        ),
+    }
+    return per_batch, once
 
 
 def floor_worker(workload: dict) -> dict:
@@ -200,14 +214,13 @@ def floor_worker(workload: dict) -> dict:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     batches, layers = workload["n_train"] // BATCH, 4
-    out = dict.fromkeys(
-        ("covariance", "eigh", "rotation", "rotated_materialize", "graddot_scoring"), 0.0
-    )
+    out: dict[str, float] = {}
     for k, d in layer_shapes(workload["hidden"]):
-        per_batch, eigh = layer_floor(k, d, gen)
+        per_batch, once = layer_floor(k, d, gen)
         for key, seconds in per_batch.items():
-            out[key] += seconds * batches * layers
-        out["eigh"] += eigh * layers
+            out[key] = out.get(key, 0.0) + seconds * batches * layers
+        for key, seconds in once.items():
+            out[key] = out.get(key, 0.0) + seconds * layers
     return out
 
 
@@ -218,7 +231,7 @@ def floor_ratios(p_seconds: float, floor: dict) -> dict[str, float]:
     eigenvalue correction in scoring, so its floor counts that materialization
     once (inside P); a re-run materializes it again.
     """
-    cov = floor["covariance"]
+    cov = floor["covariance"] + floor["query_transform"]
     ekfac_extra = cov + floor["eigh"] + floor["rotation"]
     model_pass = p_seconds - floor["graddot_scoring"]
     return {

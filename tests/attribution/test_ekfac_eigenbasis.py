@@ -1,9 +1,11 @@
 """Rotating kept EK-FAC blocks into the eigenbasis (``_ekfac_eigenbasis``).
 
-A rotated layer must materialize to ``ops.ekfac_materialize`` of the original
-(against an explicit ``U_Gᵀ·dW·U_A`` of per-sample weight gradients), be kept as
-the smaller of rotated factors and eigen-coordinates for per-sample scores and
-as factors for token scores, and be sized by ``rotates_kept_blocks`` as stored.
+Against explicit per-sample weight gradients ``dW``: in mode ``"both"`` a kept
+layer materializes to ``U_Gᵀ·dW·U_A`` (as the smaller of rotated factors and
+eigen-coordinates for per-sample scores, as factors for token scores), in mode
+``"gradient"`` to ``U_Gᵀ·dW`` with the activation untouched; the squared
+coordinates are reported either way; the query side pairs with each mode; the
+mode is chosen by the rotated sizes against the budget.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dattri_llm.attribution.algorithm._ekfac_eigenbasis import rotated_block, rotates_kept_blocks
+from dattri_llm.attribution.algorithm._ekfac_eigenbasis import (
+    BOTH,
+    GRADIENT,
+    eigenbasis_mode,
+    precondition_in_eigenbasis,
+    rotated_block,
+)
 from dattri_llm.attribution.algorithm._kfac_plan import KeptPasses
 from dattri_llm.gradient.gradient import Factorized, Gradient
 from dattri_llm.gradient.ops import extract_module_kwargs
@@ -35,28 +43,58 @@ def _bases(gen):
     return {"w": (u_a, u_g)}
 
 
+def _materialized(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    a = value.activation
+    if value.module_kwargs is not None:  # as captured: append the bias column
+        a = torch.cat([a, torch.ones(*a.shape[:-1], 1, dtype=a.dtype)], -1)
+    return torch.einsum("bsd,bsk->bdk", value.pre_activation_grad, a).reshape(2, -1)
+
+
 @pytest.mark.parametrize(
-    ("tokens", "per_sample", "kept_dense"),
-    [(3, True, True), (1, True, False), (3, False, False)],  # 3·(5+5) > 5·5 > 1·(5+5)
+    ("mode", "tokens", "per_sample", "kept_dense"),
+    [
+        (BOTH, 3, True, True),  # 3·(5+5) > 5·5 > 1·(5+5)
+        (BOTH, 1, True, False),
+        (BOTH, 3, False, False),
+        (GRADIENT, 3, True, False),
+    ],
 )
-def test_rotated_layer_equals_explicit_eigen_coordinates(tokens, per_sample, kept_dense):
+def test_rotated_layer_equals_explicit_rotations(mode, tokens, per_sample, kept_dense):
     gen = torch.Generator().manual_seed(tokens)
     block, dw = _block(tokens, gen)
+    original = block.data["w"]
     bases = _bases(gen)
     u_a, u_g = bases["w"]
-    expected = (u_g.T @ dw @ u_a).reshape(2, -1)
+    coords = (u_g.T @ dw @ u_a).reshape(2, -1)
     squares = {}
     out = rotated_block(
-        block, bases, lambda name, sq, n: squares.setdefault(name, (sq, n)), per_sample
+        block, bases, lambda name, sq, n: squares.setdefault(name, (sq, n)), mode, per_sample
     )
     value = out.data["w"]
     assert isinstance(value, torch.Tensor) == kept_dense
-    got = value if kept_dense else torch.einsum(
-        "bsd,bsk->bdk", value.pre_activation_grad, value.activation
-    ).reshape(2, -1)  # fmt: skip
-    torch.testing.assert_close(got, expected)
-    torch.testing.assert_close(squares["w"][0], (expected**2).sum(0))
+    expected = coords if mode == BOTH else (u_g.T @ dw).reshape(2, -1)
+    torch.testing.assert_close(_materialized(value), expected)
+    if mode == GRADIENT:
+        assert value.activation is original.activation
+    torch.testing.assert_close(squares["w"][0], (coords**2).sum(0))
     assert squares["w"][1] == 2
+
+
+@pytest.mark.parametrize("mode", [BOTH, GRADIENT])
+def test_query_side_pairs_with_each_mode(mode):
+    gen = torch.Generator().manual_seed(5)
+    train, dw = _block(2, gen)
+    query, dq = _block(2, gen)
+    bases = _bases(gen)
+    u_a, u_g = bases["w"]
+    lam = torch.rand((K + 1) * D, generator=gen, dtype=torch.float64) + 0.5
+    preconditioned = u_g @ ((u_g.T @ dq @ u_a) / lam.reshape(D, K + 1)) @ u_a.T
+    expected = dw.reshape(2, -1) @ preconditioned.reshape(2, -1).T
+    kept = rotated_block(train, bases, lambda *_: None, mode, per_sample=False).data["w"]
+    test = precondition_in_eigenbasis((u_g.T @ dq @ u_a).reshape(2, -1), u_a, lam, mode)
+    torch.testing.assert_close(_materialized(kept) @ test.T, expected)
 
 
 class _Source:
@@ -79,18 +117,18 @@ def _kept(block, budget):
     return plan
 
 
-def test_budget_check_counts_the_rotated_sizes():
+def test_mode_follows_the_rotated_sizes():
     gen = torch.Generator().manual_seed(0)
     block, _ = _block(3, gen)
     bases = _bases(gen)
     assert block.nbytes == 2 * 3 * (K + D) * 8  # 432
     factors = 2 * 3 * (K + 1 + D) * 8  # 480: the bias column makes the rotation larger
     coords = 2 * (K + 1) * D * 8  # 400
-    assert rotates_kept_blocks(_kept(block, factors), bases, per_sample=False)
-    assert not rotates_kept_blocks(_kept(block, factors - 1), bases, per_sample=False)
+    assert eigenbasis_mode(_kept(block, factors), bases, per_sample=False) == BOTH
+    assert eigenbasis_mode(_kept(block, factors - 1), bases, per_sample=False) == GRADIENT
     assert coords < block.nbytes
-    assert rotates_kept_blocks(_kept(block, block.nbytes), bases, per_sample=True)
-    assert not rotates_kept_blocks(_kept(block, 0), bases, per_sample=True)  # nothing kept
+    assert eigenbasis_mode(_kept(block, block.nbytes), bases, per_sample=True) == BOTH
+    assert eigenbasis_mode(_kept(block, 0), bases, per_sample=True) is None  # nothing kept
 
 
 def test_sixteen_bit_factors_are_not_rotated_in_place():
@@ -99,4 +137,4 @@ def test_sixteen_bit_factors_are_not_rotated_in_place():
     half = Gradient(
         {"w": "factorized"}, {"w": block.data["w"].to(torch.bfloat16)}, {"w": "nn.Linear"}
     )
-    assert not rotates_kept_blocks(_kept(half, 1 << 20), _bases(gen), per_sample=True)
+    assert eigenbasis_mode(_kept(half, 1 << 20), _bases(gen), per_sample=True) is None

@@ -198,23 +198,30 @@ def test_ekfac_scores_kept_blocks_in_the_eigenbasis(
     _close(score.scores.reshape(expected.shape), expected)
 
 
-def test_ekfac_eigenbasis_needs_the_rotated_blocks_within_the_budget(tmp_path, monkeypatch):
+def test_ekfac_rotates_only_the_gradient_side_when_full_rotations_exceed_the_budget(
+    tmp_path, monkeypatch
+):
     """Rotated factors gain the bias column (token scores keep factors): a budget that
-    holds the captured blocks but not their rotations keeps them unrotated."""
+    holds the captured blocks but not their full rotations keeps ``g·U_G`` only, and the
+    queries are rotated back on the activation side; scores are unchanged."""
     from dattri_llm.attribution.algorithm import kronecker
 
     model, train, test = _setup()
     first = _attribute(tmp_path, EKFACAttributor, model, train, test, None, "token")
     kept_bytes = first.algorithm_meta["pass_plan"]["kept_bytes"]
-    calls = []
-    original = kronecker.ekfac_precondition
+    modes = []
+    original = kronecker.precondition_in_eigenbasis
     monkeypatch.setattr(
-        kronecker, "ekfac_precondition", lambda *a, **k: calls.append(1) or original(*a, **k)
+        kronecker,
+        "precondition_in_eigenbasis",
+        lambda coords, u_a, lam, mode: modes.append(mode) or original(coords, u_a, lam, mode),
     )
     tight = _attribute(tmp_path, EKFACAttributor, model, train, test, kept_bytes, "token")
     assert tight.algorithm_meta["pass_plan"]["kept_blocks"] == N_TRAIN // BATCH
-    assert calls  # every block kept, but their rotations would exceed the budget
+    assert modes and set(modes) == {"gradient"}
     _same(tight.scores, first.scores)
+    expected = _reference(model, train, test, "ekfac", token=True)
+    _close(tight.scores.reshape(expected.shape), expected)
 
 
 def test_kept_passes_replay_without_recomputing_the_kept_suffix():

@@ -41,7 +41,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from dattri_llm.attribution.algorithm._ekfac_eigenbasis import rotated_block, rotates_kept_blocks
+from dattri_llm.attribution.algorithm._ekfac_eigenbasis import (
+    eigenbasis_mode,
+    precondition_in_eigenbasis,
+    rotated_block,
+)
 from dattri_llm.attribution.algorithm._kfac_plan import (
     DEFAULT_KEPT_GRADIENT_BUDGET as DEFAULT_KEPT_GRADIENT_BUDGET,
 )
@@ -65,7 +69,6 @@ from dattri_llm.gradient.ops.kronecker import (
     ekfac_materialize,
     ekfac_precondition,
     ekfac_rotation_prefers_factors,
-    ekfac_scale,
     kfac_eigh,
     kfac_precondition,
     kfac_precondition_materialized,
@@ -251,8 +254,8 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         # keep (0 for stores and outside attribute), and the plan the last scoring pass ran
         self._kept_budget = 0
         self._pass_plan: dict[str, int] | None = None
-        # EK-FAC: this scoring pass's kept train blocks are in the eigenbasis (no rotate-back)
-        self._test_in_eigenbasis = False
+        # EK-FAC: how this scoring pass's kept train blocks were rotated (None: not at all)
+        self._test_eigenbasis_mode: str | None = None
         self._score_granularity = "instance"  # of the scoring pass under way
 
     # ------------------------------------------------------------------ options
@@ -643,7 +646,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         """
         live = getattr(train_source, "hook_manager", None) is not None
         planned = KeptPasses(train_source, self._kept_budget if live else 0)
-        self._test_in_eigenbasis = False
+        self._test_eigenbasis_mode = None
         self._score_granularity = attribution_granularity
         try:
             result = super().score_sources(
@@ -654,7 +657,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
                 attribution_granularity=attribution_granularity,
             )
         finally:  # the eigenbasis test side only pairs with this pass's rotated blocks
-            self._test_in_eigenbasis = False
+            self._test_eigenbasis_mode = None
         self._pass_plan = planned.plan()
         return result
 
@@ -735,7 +738,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         self._warned = set()
         self._kept_budget = 0
         self._pass_plan = None
-        self._test_in_eigenbasis = False
+        self._test_eigenbasis_mode = None
 
     def _use_fisher_dir(self, fisher_dir: str | Path | None) -> None:
         """Load the fit in ``fisher_dir`` if present, else write this call's fit there."""
@@ -1229,9 +1232,11 @@ class EKFACAttributor(KroneckerAttributor):
     factors (``aᵀU_A``, ``U_Gᵀg`` per token, then materialized) or after
     materializing it, whichever costs fewer FLOPs
     (``ops.kronecker.ekfac_rotation_prefers_factors``); both routes give the
-    same scores. ``mode`` (``"exact"``/``"approx"``, identical scores) is
-    validated and recorded with a persisted fit. Tied weights are scored per
-    use site.
+    same scores. When the pass plan keeps every training block, that pass
+    replaces the kept layers by their rotations and the queries skip (part of)
+    the rotation back (``_ekfac_eigenbasis``; equal scores to float rounding).
+    ``mode`` (``"exact"``/``"approx"``, identical scores) is validated and
+    recorded with a persisted fit. Tied weights are scored per use site.
     """
 
     algorithm: ClassVar[str] = "EKFAC"
@@ -1275,11 +1280,12 @@ class EKFACAttributor(KroneckerAttributor):
             counts[name] = counts.get(name, 0) + samples
 
         per_sample = self._score_granularity == "instance"
-        if rotates_kept_blocks(train_source, bases, per_sample):
+        mode = eigenbasis_mode(train_source, bases, per_sample)
+        if mode is not None:
             train_source.transform_kept(
-                lambda block: rotated_block(block, bases, add_squares, per_sample)
+                lambda block: rotated_block(block, bases, add_squares, mode, per_sample)
             )
-            self._test_in_eigenbasis = True
+            self._test_eigenbasis_mode = mode
         else:
             for _step, block, _ids in train_source:
                 for name in block.data:
@@ -1344,9 +1350,13 @@ class EKFACAttributor(KroneckerAttributor):
         return damped
 
     def precondition_test_layer(self, value: Any, layer_type: str, factors: Any) -> Any:
-        """``U_G((U_Gᵀ dW U_A)/(Λ+λ))U_Aᵀ`` as a dense ``(B, d)`` block."""
+        """``U_G((U_Gᵀ dW U_A)/(Λ+λ))U_Aᵀ`` as a dense ``(B, d)`` block.
+
+        Without the outer rotation (``(U_Gᵀ dW U_A)/(Λ+λ)``, or with ``·U_Aᵀ``
+        only) when this scoring pass's kept train blocks were rotated.
+        """
         u_a, u_g, lam = factors
         coords = ekfac_materialize(value, layer_type, u_a, u_g)
-        if self._test_in_eigenbasis:  # the kept train blocks were rotated (_ekfac_eigenbasis)
-            return ekfac_scale(coords, lam)
+        if self._test_eigenbasis_mode is not None:  # kept train blocks rotated (_ekfac_eigenbasis)
+            return precondition_in_eigenbasis(coords, u_a, lam, self._test_eigenbasis_mode)
         return ekfac_precondition(coords, u_a, u_g, lam, layer_type)

@@ -821,10 +821,16 @@ class HookManager:
             )
 
     def _warn_broadcast(self, gradient: Gradient) -> None:
+        """Warn once per layer captured with batch 1 in a step of batch > 1.
+
+        Every captured layer counts, factorized or dense (a materialized or
+        optimizer-preconditioned capture of a broadcast input is a ``(1, d)``
+        row too); ``param_grad`` layers hold batch-summed gradients by design.
+        """
         batches = {
             name: _batch_of(value)
             for name, value in gradient.data.items()
-            if gradient.representation[name] == "factorized"
+            if gradient.layer_types[name] != PARAM_GRAD_TYPES
         }
         step_batch = max(batches.values(), default=1)
         for name, batch in batches.items():

@@ -511,6 +511,35 @@ def test_low_level_param_hooks():
     assert len(seen) == 4
 
 
+@pytest.mark.parametrize("style", ["factorized", "materialized"])
+def test_broadcast_layer_warns_in_every_capture_style(style):
+    """A positional embedding called on ``arange(T)`` has batch 1: summed over the batch.
+
+    The warning must not depend on the representation (a materialized capture is a
+    dense ``(1, d)`` row); the record's row must equal the layer's ``.grad``.
+    """
+
+    class Positional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(9, 4), nn.Embedding(6, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids (B, T)
+            return self.tok(ids) + self.pos(torch.arange(ids.shape[1]))[None]
+
+    torch.manual_seed(0)
+    model = Positional()
+    ids, r = torch.randint(0, 9, (3, 5)), torch.randn(3, 5, 4)
+    manager = HookManager(model, HookManagerConfig(linear_io=["tok", "pos"], capture_style=style))
+    try:
+        with pytest.warns(UserWarning, match="'pos' has batch size 1"), manager.collect():
+            (model(ids) * r).sum().backward()
+        gradient = manager.get_gradient()
+    finally:
+        manager.remove()
+    torch.testing.assert_close(dense(gradient, "pos"), model.pos.weight.grad.reshape(1, -1))
+
+
 def test_sequence_first_unbatched_positional_ids_are_one_broadcast_row():
     """A sequence-first layer called on unbatched ids ``(T,)`` (positional embedding).
 

@@ -129,7 +129,8 @@ def rotated_block(
             kept, coords = _rotated_layer(value, layer_type, u_a, u_g, mode, per_sample)
         except ValueError as error:
             raise ValueError(f"layer {name!r}: {error}") from None
-        add_squares(name, coords.square().sum(dim=0), coords.shape[0])
+        squared = coords.square() if coords is kept else coords.square_()  # coords are temporary
+        add_squares(name, squared.sum(dim=0), coords.shape[0])
         return kept
 
     return block.map_layers(rotate, consume=True)

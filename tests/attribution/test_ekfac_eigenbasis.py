@@ -1,6 +1,6 @@
 """Rotating kept EK-FAC blocks into the eigenbasis (``_ekfac_eigenbasis``).
 
-Against explicit per-sample weight gradients ``dW``: in mode ``"both"`` a kept
+Against per-sample weight gradients ``dW`` from torch.func: in mode ``"both"`` a kept
 layer materializes to ``U_Gᵀ·dW·U_A`` (as the smaller of rotated factors and
 eigen-coordinates for per-sample scores, as factors for token scores), in mode
 ``"gradient"`` to ``U_Gᵀ·dW`` with the activation untouched; the squared
@@ -27,14 +27,25 @@ from dattri_llm.gradient.ops import extract_module_kwargs
 K, D = 4, 5  # K + 1 with the bias column
 
 
+def _per_sample_dw(layer: torch.nn.Linear, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``[dW | db]`` ``(B, D, K+1)`` of ``Σ_t g_t·layer(a_t)`` per sample (torch.func)."""
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+
+    def loss(p, x, r):
+        return (torch.func.functional_call(layer, p, (x,)) * r).sum()
+
+    grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, a, g)
+    return torch.cat([grads["weight"], grads["bias"][..., None]], dim=-1)
+
+
 def _block(tokens: int, gen: torch.Generator) -> tuple[Gradient, torch.Tensor]:
     """A 2-sample linear block with a bias, and its per-sample dW ``(2, D, K+1)``."""
-    kwargs = extract_module_kwargs(torch.nn.Linear(K, D), "nn.Linear")
+    layer = torch.nn.Linear(K, D).double()
+    kwargs = extract_module_kwargs(layer, "nn.Linear")
     a = torch.randn(2, tokens, K, generator=gen, dtype=torch.float64)
     g = torch.randn(2, tokens, D, generator=gen, dtype=torch.float64)
-    dw = torch.einsum("bsd,bsk->bdk", g, torch.cat([a, torch.ones(2, tokens, 1).double()], -1))
     block = Gradient({"w": "factorized"}, {"w": Factorized(a, g, kwargs)}, {"w": "nn.Linear"})
-    return block, dw
+    return block, _per_sample_dw(layer, a, g)
 
 
 def _bases(gen):
@@ -80,6 +91,23 @@ def test_rotated_layer_equals_explicit_rotations(mode, tokens, per_sample, kept_
         assert value.activation is original.activation
     torch.testing.assert_close(squares["w"][0], (coords**2).sum(0))
     assert squares["w"][1] == 2
+
+
+@pytest.mark.parametrize("mode", [BOTH, GRADIENT])
+def test_dense_layer_rotation_equals_explicit_rotations(mode):
+    gen = torch.Generator().manual_seed(7)
+    _, dw = _block(3, gen)
+    block = Gradient({"w": "materialized"}, {"w": dw.reshape(2, -1)}, {"w": "nn.Linear"})
+    bases = _bases(gen)
+    u_a, u_g = bases["w"]
+    coords = (u_g.T @ dw @ u_a).reshape(2, -1)
+    squares = {}
+    out = rotated_block(
+        block, bases, lambda name, sq, n: squares.setdefault(name, (sq, n)), mode, True
+    )
+    expected = coords if mode == BOTH else (u_g.T @ dw).reshape(2, -1)
+    torch.testing.assert_close(out.data["w"], expected)
+    torch.testing.assert_close(squares["w"][0], (coords**2).sum(0))
 
 
 @pytest.mark.parametrize("mode", [BOTH, GRADIENT])

@@ -21,6 +21,7 @@ from dattri_llm.gradient.callbacks import (
     OffloadCallback,
     OptimizerStateCallback,
     ParameterSnapshotCallback,
+    TrainingDynamicsCallback,
 )
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
 from dattri_llm.gradient.hooks import (
@@ -53,6 +54,7 @@ _LAZY: dict[str, str] = {
     "TrajectoryAttributor": "dattri_llm.attribution",
     "DVEmbAttributor": "dattri_llm.attribution",
     "AdamWInfluenceAttributor": "dattri_llm.attribution",
+    "TrajectoryTracInAttributor": "dattri_llm.attribution",
 }
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "OffloadCallback",
     "OptimizerStateCallback",
     "ParameterSnapshotCallback",
+    "TrainingDynamicsCallback",
     "TrajectorySnapshots",
     "default_hook_assignment",
     "hash_batch",

@@ -13,8 +13,8 @@ programming, gardening).
 2. Capture the query sentences' gradients at the trained weights the same way.
 3. Score every training sentence against every query from the two stores with
    Grad-Cos (``TracInAttributor.attribute_from_cache(..., normalized_grad=True)``;
-   no model needed) and print each query's three most influential training
-   sentences.
+   no model needed) and print each query's three most helpful training
+   sentences (``score.top_k(3)``, right whichever sign a method calls helpful).
 
 Run:  python examples/quickstart.py
 """
@@ -115,16 +115,15 @@ def capture(model: torch.nn.Module, store_dir: str, config: HookManagerConfig) -
 
 def print_table(score, train_text: dict[str, tuple[str, str]], query_ids: list[str]) -> int:
     """Print the top-3 proponents per query; return how many top-1s share the query's topic."""
-    train_ids, matrix = score.agnostic_matrix()  # (num_train, num_query)
+    # {query id: [(train id, score), ...]}, most helpful first (rows summed over steps).
+    top = score.top_k(3, test_ids=query_ids)
     hits = 0
     for (topic, query), query_id in zip(QUERIES, query_ids):
-        column = matrix[:, score.test_index[query_id]]
-        top = torch.topk(column, k=3)
         print(f"\nquery [{topic}]: {query}")
-        for rank, (value, row) in enumerate(zip(top.values, top.indices), start=1):
-            train_topic, sentence = train_text[train_ids[row]]
+        for rank, (train_id, value) in enumerate(top[query_id], start=1):
+            train_topic, sentence = train_text[train_id]
             print(f"  {rank}. {value:+.3f}  [{train_topic:<11}] {sentence}")
-        hits += train_text[train_ids[top.indices[0]]][0] == topic
+        hits += train_text[top[query_id][0][0]][0] == topic
     return hits
 
 

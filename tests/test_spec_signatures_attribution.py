@@ -163,6 +163,7 @@ def test_score_fields():
         ("algorithm_meta", dataclasses.MISSING),
         ("layer_name", dataclasses.MISSING),
         ("row_token_ids", None),
+        ("polarity", 1),  # beyond the contract: keyword-only, last
     ]
     derived = [f.name for f in dataclasses.fields(AttributionScore) if not f.init]
     assert derived == ["train_index", "test_index"]
@@ -173,8 +174,9 @@ def test_score_methods():
         AttributionScore,
         {
             "__init__": "(self, scores, row_train_ids, row_steps, test_ids, algorithm, "
-            "algorithm_meta, layer_name, row_token_ids=None)",
+            "algorithm_meta, layer_name, row_token_ids=None, *, polarity=1)",
             "agnostic_matrix": "(self)",
+            "top_k": "(self, k, *, proponents=True, test_ids=None)",
             "trajectory_aware": "(self, train_hash)",
             "trajectory_agnostic": "(self, train_hash)",
             "token_scores": "(self, train_hash, step=None)",
@@ -394,10 +396,11 @@ def test_less_signatures():
             "__init__": "(self, args, *, task=None, optimizers=None, checkpoint_weights=None)",
             "attribute": "(self, train_dataset, test_dataset, *, hook_config=None, verbose=False, "
             "loop_over_test=False, enable_update=False, gradient_cache_residency=None, "
-            "attribution_granularity='instance')",
+            "attribution_granularity='instance', loss_reduction='mean')",  # + loss_reduction
             "attribute_from_cache": "(self, train_source, test_source, *, "
             "checkpoint_weight=None, learning_rates=None, algorithm_meta=None, **kwargs)",
-            "cache": "(self, train_dataset, test_dataset, *, enable_update=False, **kwargs)",
+            "cache": "(self, train_dataset, test_dataset, *, enable_update=False, "
+            "loss_reduction='mean', **kwargs)",
             "generate_train_rep": "(self, train_dataset, *, checkpoint_step=0, "
             "enable_update=False, hook_config=None)",
         },

@@ -10,6 +10,7 @@ from dattri_llm.attribution.algorithm import (
     LoRIFAttributor,
     TracInAttributor,
     TrajectoryAttributor,
+    TrajectoryTracInAttributor,
 )
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor, BaseInnerProductAttributor
@@ -29,4 +30,5 @@ __all__ = [
     "LoRIFAttributor",
     "TracInAttributor",
     "TrajectoryAttributor",
+    "TrajectoryTracInAttributor",
 ]

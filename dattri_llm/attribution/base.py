@@ -21,6 +21,7 @@ import torch
 
 from dattri_llm.attribution import utils as attribution_utils
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDynamicsCallback
 from dattri_llm.gradient.datasets import check_dataset
 from dattri_llm.gradient.streaming import GradientStreamer
 from dattri_llm.task import AttributionTask, as_task
@@ -54,9 +55,15 @@ def _check_dataset(dataset: object, side: str) -> None:
 
 
 class BaseAttributor(ABC):
-    """Interface of every attributor (live ``attribute`` and ``attribute_from_cache``)."""
+    """Interface of every attributor (live ``attribute`` and ``attribute_from_cache``).
+
+    ``polarity`` is the sign its scores call helpful, recorded on every
+    :class:`AttributionScore` it builds: ``+1`` when a larger score means a
+    more helpful training sample, ``-1`` when a more negative score does.
+    """
 
     algorithm: ClassVar[str] = "Base"
+    polarity: ClassVar[int] = 1
 
     @abstractmethod
     def __init__(
@@ -497,6 +504,7 @@ class BaseInnerProductAttributor(BaseAttributor):
             algorithm_meta=dict(algorithm_meta or {}),
             layer_name=layer_name,
             row_token_ids=row_token_ids,
+            polarity=self.polarity,
         )
         if self.args.should_log:
             score.save(self.args.output_dir)
@@ -577,13 +585,50 @@ class BaseInnerProductAttributor(BaseAttributor):
         )
         layers = list(train.hook_manager.layer_names)
         self._hooked_layers = layers
+        recorder = self.attach_dynamics_recorder(train) if enable_update else None
         try:
             self.collect_gradients(train, train_store, on_block=on_train_block)
         finally:
             self._forget_loaded_checkpoint(enable_update)
-        if enable_update and self.args.should_log:
+        if recorder is not None and self.args.should_log:
             attribution_utils.write_lr_schedule(train_store.save_dir, train.learning_rates)
+            recorder.save(train_store.save_dir)
         return layers
+
+    def dynamics_recorder(
+        self, streamer: GradientStreamer, snapshots: object | None = None
+    ) -> TrainingDynamicsCallback:
+        """The callback recording what each update of a trajectory applied.
+
+        A ``TrainingDynamicsCallback`` over the streamer's model and optimizer
+        (windows, clip coefficients, loss scales, every parameter group's
+        values), saved as ``training_dynamics.json`` beside the run.
+        Subclasses may return a subclass of it (AdamW-influence records the
+        moments too); ``snapshots`` is the run's snapshot store, if any.
+        """
+        return TrainingDynamicsCallback(
+            streamer.model,
+            lambda: streamer.optimizer,
+            projection_kwargs=streamer.hook_manager.config.projection_kwargs,
+            grad_scaler=lambda: streamer.grad_scaler,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+        )
+
+    def attach_dynamics_recorder(
+        self, streamer: GradientStreamer, snapshots: object | None = None
+    ) -> TrainingDynamicsCallback:
+        """The streamer manager's ``TrainingDynamicsCallback`` (one attached if it has none).
+
+        The streamer yields rows divided by its loss scale, so the recorder
+        notes that the rows carry none.
+        """
+        for callback in streamer.hook_manager.callbacks:
+            if isinstance(callback, TrainingDynamicsCallback):
+                return callback
+        recorder = self.dynamics_recorder(streamer, snapshots)
+        recorder.rows_unscaled = True
+        streamer.hook_manager.add_callback(recorder)
+        return recorder
 
     def _forget_loaded_checkpoint(self, enable_update: bool) -> None:
         """After an updating pass the weights left the checkpoint: force the next load."""

@@ -9,6 +9,7 @@ scores); columns are ``test_ids``. Identities are content hashes (or
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,37 @@ from dattri_llm.utils.atomic import atomic_torch_save, atomic_write
 SCORES_FILE = "scores.pt"
 METADATA_FILE = "metadata.json"
 SCORE_TRAJECTORIES = ("agnostic", "aware")
+POLARITIES = (1, -1)
+
+
+def default_polarity(algorithm: str) -> int:
+    """Polarity of a score saved without one: ``-1`` for ``"AdamWInfluence"``, else ``+1``."""
+    return -1 if algorithm == "AdamWInfluence" else 1
+
+
+def _check_polarity(polarity: object) -> int:
+    """``polarity`` as a plain ``int`` (``ValueError`` unless it is ``+1`` or ``-1``)."""
+    try:
+        value = None if isinstance(polarity, bool) else operator.index(polarity)
+    except TypeError:
+        value = None
+    if value not in POLARITIES:
+        raise ValueError(
+            f"polarity must be 1 (larger score = more helpful) or -1 (more negative score = "
+            f"more helpful), got {polarity!r}"
+        )
+    return value
 
 
 @dataclass
 class AttributionScore:
-    """Scores ``(num_rows, num_test)`` with row/column identities and provenance."""
+    """Scores ``(num_rows, num_test)`` with row/column identities and provenance.
+
+    ``polarity`` (keyword only): ``+1`` when a larger score means a more
+    helpful training sample, ``-1`` when a more negative score does
+    (AdamW-influence); anything else raises ``ValueError``. The numbers are
+    stored as the method defines them; :meth:`top_k` applies the polarity.
+    """
 
     scores: torch.Tensor
     row_train_ids: list[str]
@@ -34,11 +61,13 @@ class AttributionScore:
     algorithm_meta: dict[str, Any]
     layer_name: list[str] | None
     row_token_ids: list[int] | None = None
+    polarity: int = field(default=1, kw_only=True)
     train_index: dict[str, list[tuple[int, int]]] = field(init=False, repr=False)
     test_index: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        """Check lengths against the matrix and build the lookup indexes."""
+        """Check lengths and polarity against the matrix and build the lookup indexes."""
+        self.polarity = _check_polarity(self.polarity)
         self.row_train_ids = [str(h) for h in self.row_train_ids]
         self.row_steps = [int(s) for s in self.row_steps]
         self.test_ids = [str(h) for h in self.test_ids]
@@ -219,6 +248,64 @@ class AttributionScore:
         summed = torch.stack([self.trajectory_agnostic(h) for h in train_hashes])
         return summed[:, col_index]
 
+    # ------------------------------------------------------------------ ranking
+    def top_k(
+        self, k: int, *, proponents: bool = True, test_ids: list[str] | None = None
+    ) -> dict[str, list[tuple[str, float]]]:
+        """The ``k`` most helpful (or most harmful) training samples of each query.
+
+        Ranks the rows of :meth:`agnostic_matrix` ``(num_train, num_test)`` (each
+        training sample's rows summed over steps and token positions) by
+        ``polarity * score``: descending for ``proponents=True`` (most helpful
+        first), ascending for ``proponents=False`` (most harmful first). The
+        same call is right for every method, whichever sign it calls helpful.
+
+        Args:
+            k: samples per query, an ``int >= 1``; more than :attr:`num_train`
+                returns them all.
+            proponents: ``True`` for the most helpful, ``False`` for the most
+                harmful samples.
+            test_ids: the queries (columns) to rank, in the order of the
+                result; ``None`` means every column in column order.
+
+        Returns:
+            ``{test_id: [(train_id, score), ...]}``, at most ``k`` pairs per
+            query, best first. ``score`` is the summed score as stored (not
+            multiplied by the polarity). Ties keep the order of
+            :attr:`train_ids` (first appearance): the result equals a stable
+            sort of the whole column. NaN scores rank last in both directions.
+
+        Raises:
+            ValueError: ``k`` is not an ``int >= 1``.
+            KeyError: an id of ``test_ids`` is not a column (the error names it).
+            TypeError: ``test_ids`` is a single string rather than a list of ids.
+
+        Example:
+            >>> score = AttributionScore(
+            ...     torch.tensor([[0.5], [-2.0], [1.0]]), ["a", "b", "c"], [0, 0, 0],
+            ...     ["q"], "TracIn", {}, None)
+            >>> score.top_k(2)
+            {'q': [('c', 1.0), ('a', 0.5)]}
+            >>> score.top_k(1, proponents=False)
+            {'q': [('b', -2.0)]}
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
+        if isinstance(test_ids, str):
+            raise TypeError(f"test_ids must be a list of test ids, got the string {test_ids!r}")
+        names = list(self.test_ids) if test_ids is None else [str(h) for h in test_ids]
+        columns = [self._column_of(h) for h in names]
+        ids, matrix = self.agnostic_matrix()
+        values = matrix.detach().to(device="cpu", dtype=torch.float64)[:, columns]
+        sign = self.polarity if proponents else -self.polarity
+        # Best first = ascending in -sign * value. An ascending sort puts NaN last; a stable
+        # one keeps train_ids order within ties; "+ 0.0" turns -0.0 into 0.0 so they tie.
+        order = torch.sort(-sign * values + 0.0, dim=0, stable=True).indices[: min(k, len(ids))]
+        return {
+            name: [(ids[row], values[row, j].item()) for row in order[:, j].tolist()]
+            for j, name in enumerate(names)
+        }
+
     # ------------------------------------------------------------------ persistence
     def save(self, out_dir: str | Path) -> Path:
         """Write ``scores.pt`` and ``metadata.json`` into ``out_dir``; return the directory.
@@ -237,6 +324,7 @@ class AttributionScore:
         """The JSON-able description :meth:`load` rebuilds the score from."""
         return {
             "algorithm": self.algorithm,
+            "polarity": self.polarity,
             "algorithm_meta": self.algorithm_meta,
             "layer_name": self.layer_name,
             "granularity": self.granularity,
@@ -251,7 +339,11 @@ class AttributionScore:
 
     @classmethod
     def load(cls, out_dir: str | Path) -> AttributionScore:
-        """Rebuild a score written by :meth:`save`."""
+        """Rebuild a score written by :meth:`save`.
+
+        A ``metadata.json`` without ``"polarity"`` (saved before polarity was
+        recorded) gets ``-1`` for ``algorithm == "AdamWInfluence"``, else ``+1``.
+        """
         out = Path(out_dir).expanduser()
         for name in (SCORES_FILE, METADATA_FILE):
             if not (out / name).is_file():
@@ -272,4 +364,5 @@ class AttributionScore:
             algorithm_meta=meta,
             layer_name=metadata.get("layer_name"),
             row_token_ids=metadata.get("row_token_ids"),
+            polarity=metadata.get("polarity", default_polarity(metadata["algorithm"])),
         )

@@ -16,6 +16,7 @@ from dattri_llm.gradient.callbacks import (
     OffloadCallback,
     OptimizerStateCallback,
     ParameterSnapshotCallback,
+    TrainingDynamicsCallback,
 )
 from dattri_llm.gradient.gradient import GradientRecord
 from dattri_llm.gradient.hooks import (
@@ -62,6 +63,7 @@ __all__ = [
     "OffloadCallback",
     "OptimizerStateCallback",
     "ParameterSnapshotCallback",
+    "TrainingDynamicsCallback",
     "TrajectorySnapshots",
     "canonical_class_name",
     "default_hook_assignment",

@@ -413,6 +413,11 @@ class GradientStreamer:
         return self._optimizer
 
     @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The fp16 loss scaler of an updating pass on GPU (``None`` otherwise)."""
+        return self._scaler
+
+    @property
     def learning_rates(self) -> dict[int, float]:
         """LR in effect for each batch index of the last updating pass (``{}`` for probes)."""
         return dict(self._learning_rates)

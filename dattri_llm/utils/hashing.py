@@ -4,6 +4,8 @@ A sample's identity is the SHA-256 of its digestible fields (tensors and
 numeric lists/scalars) in sorted key order, after stripping padding positions
 given by a 1-D ``attention_mask``. A ``(T,)`` row and its ``(1, T)`` batched
 form hash identically, and so do a padded sample and its unpadded tokens.
+Identical samples hash identically; `occurrence_ids` gives the repeats within
+one step distinct identifiers (``h``, ``h#1``, ``h#2``, …).
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import hashlib
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["PAD_MASK_KEY", "hash_batch", "hash_sample"]
+__all__ = ["PAD_MASK_KEY", "hash_batch", "hash_sample", "occurrence_ids"]
 
 PAD_MASK_KEY = "attention_mask"
 
@@ -160,3 +163,50 @@ def hash_batch(inputs: dict[str, object], batch_size: int | None = None) -> list
             f"leading dim {batch_size} or a list/tuple of length {batch_size})."
         )
     return [hash_sample({k: v[i] for k, v in sliceable.items()}) for i in range(batch_size)]
+
+
+def occurrence_ids(ids: Sequence[str]) -> list[str]:
+    """Make repeated identifiers of one step distinct, one per occurrence.
+
+    The first occurrence of an identifier keeps it unchanged; each later repeat
+    of the same identifier gets the smallest suffix ``f"{id}#{k}"`` (``k = 1,
+    2, …``) not already used in the list, neither by an original identifier nor
+    by an earlier assignment. A list without repeats is returned unchanged, the
+    result is a fixed point (``occurrence_ids(occurrence_ids(x)) ==
+    occurrence_ids(x)``), and a concatenation of already disambiguated lists is
+    disambiguated again. Identical samples drawn several times in one step (GRPO
+    completions, a repeated ``sample_id_key`` value) thus keep one row each,
+    with identifiers stable for the same content and occurrence order.
+
+    Example:
+        >>> occurrence_ids(["h", "g", "h", "h"])
+        ['h', 'g', 'h#1', 'h#2']
+        >>> occurrence_ids(["h", "h#1", "h"])
+        ['h', 'h#1', 'h#2']
+
+    Args:
+        ids: the step's identifiers in batch order.
+
+    Returns:
+        ``len(ids)`` distinct identifiers, in the same order.
+    """
+    ids = [str(i) for i in ids]
+    used = set(ids)
+    if len(used) == len(ids):
+        return ids
+    seen: set[str] = set()
+    next_suffix: dict[str, int] = {}
+    result: list[str] = []
+    for identifier in ids:
+        if identifier not in seen:
+            seen.add(identifier)
+            result.append(identifier)
+            continue
+        k = next_suffix.get(identifier, 1)
+        while f"{identifier}#{k}" in used:
+            k += 1
+        candidate = f"{identifier}#{k}"
+        next_suffix[identifier] = k + 1
+        used.add(candidate)
+        result.append(candidate)
+    return result

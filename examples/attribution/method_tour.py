@@ -69,9 +69,9 @@ from quickstart_corpus import CORPUS, QUERIES  # noqa: E402
 HOOKED_LAYERS = [r"\.mlp\.", r"^lm_head$"]
 # AdamWInfluenceAttributor's rows are −qᵀW·push(g), ``push`` being the change of the
 # optimizer state when the sample is REMOVED: a helpful sample scores NEGATIVE. Every
-# other method scores helpful samples positive. The tour multiplies each method's
-# scores by its sign so that the top proponent is always the largest score.
-ADAMW_SIGN = -1.0
+# other method scores helpful samples positive. Each score records its ``polarity``
+# (-1 / +1) and ``score.top_k`` ranks by ``polarity * score``, so the tour asks every
+# method for its top proponent the same way.
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,7 @@ def less(stores: Stores, tour: Tour) -> AttributionScore:
 
 
 def adamw_influence(stores: Stores, tour: Tour) -> AttributionScore:
-    """AdamW-influence through the recorded Adam dynamics (query-side sweep); helpful < 0."""
+    """AdamW-influence through the recorded Adam dynamics (query-side sweep); polarity -1."""
     attributor = AdamWInfluenceAttributor(arguments(tour, stores.root))
     return attributor.attribute_from_cache(
         stores.trajectory,
@@ -310,11 +310,10 @@ def dvemb(stores: Stores, tour: Tour) -> AttributionScore:
 
 @dataclass(frozen=True)
 class Method:
-    """A table entry: how to score, what it reads, and the sign that makes "helpful" positive."""
+    """A table entry: how to score and what it reads."""
 
     score: Callable[[Stores, Tour], AttributionScore]
     source: str
-    sign: float = 1.0
 
 
 METHODS: dict[str, Method] = {
@@ -324,7 +323,7 @@ METHODS: dict[str, Method] = {
     "K-FAC": Method(kronecker(KFACAttributor), "theta_T"),
     "EK-FAC": Method(kronecker(EKFACAttributor), "theta_T"),
     "LESS": Method(less, "trajectory (preconditioned)"),
-    "AdamW-influence": Method(adamw_influence, "trajectory + Adam moments", ADAMW_SIGN),
+    "AdamW-influence": Method(adamw_influence, "trajectory + Adam moments"),
     "DVEmb": Method(dvemb, "trajectory"),
 }
 
@@ -382,17 +381,12 @@ def measured(method: Method, stores: Stores, tour: Tour) -> tuple[AttributionSco
 
 
 def topic_hits(
-    score: AttributionScore,
-    sign: float,
-    topic_of: Mapping[str, str],
-    queries: Sequence[tuple[str, str]],
+    score: AttributionScore, topic_of: Mapping[str, str], queries: Sequence[tuple[str, str]]
 ) -> int:
-    """Queries whose top proponent (largest ``sign × score``) shares the query's topic."""
-    train_ids, matrix = score.agnostic_matrix()  # (num_train, num_query), rows summed over steps
-    top = (sign * matrix).argmax(dim=0)
-    return sum(
-        topic_of[train_ids[top[score.test_index[query_id]]]] == topic for query_id, topic in queries
-    )
+    """Queries whose top proponent (largest ``polarity × score``) shares the query's topic."""
+    # {query id: [(train id, score)]}: each query's most helpful sample, rows summed over steps.
+    top = score.top_k(1, test_ids=[query_id for query_id, _ in queries])
+    return sum(topic_of[top[query_id][0][0]] == topic for query_id, topic in queries)
 
 
 def print_table(rows: list[Row], tour: Tour, capture_seconds: float) -> None:
@@ -408,7 +402,8 @@ def print_table(rows: list[Row], tour: Tour, capture_seconds: float) -> None:
         f"summed over the captured steps) shares the query's topic; chance is about "
         f"1/{len(CORPUS)}.",
         "AdamW-influence scores helpful sentences NEGATIVE (rows -q^T W push, push = the "
-        "removal perturbation): its top proponent is its most negative row.",
+        "removal perturbation; its scores carry polarity -1): score.top_k ranks by "
+        "polarity x score, so its top proponent is its most negative row.",
         "LESS: a sentence's Adam update direction is dominated by the momentum its whole batch "
         "shares, so the rows of one step barely differ and its top proponent follows the batch.",
         "theta_T: training gradients at the final weights; trajectory: the steps of the last "
@@ -467,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         capture_seconds = time.perf_counter() - start
         for name, method in METHODS.items():
             score, seconds, peak = measured(method, stores, tour)
-            hits = topic_hits(score, method.sign, topic_of, query_topics)
+            hits = topic_hits(score, topic_of, query_topics)
             rows.append(Row(name, method.source, seconds, peak, hits, len(queries)))
     print_table(rows, tour, capture_seconds)
     return rows

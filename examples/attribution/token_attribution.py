@@ -9,9 +9,10 @@ sentence's gradient that flows through position ``t`` (the prediction of
 token ``t+1``), against the preconditioned query gradient.
 
 The result is a self-contained HTML page: for each query, its top proponents
-with every token shaded on a diverging scale centred at zero (red pushes the
-query's loss down, i.e. supports it; blue opposes it); hovering a token shows
-its score.
+(``score.top_k``, which ranks by ``polarity × score``) with every token shaded
+on a diverging scale centred at zero (red pushes the query's loss down, i.e.
+supports it; blue opposes it; the shading applies the score's polarity);
+hovering a token shows its score as stored.
 
 Methods: ``graddot`` (raw inner products), ``kfac`` and ``ekfac``
 (curvature-preconditioned, relative damping).
@@ -116,10 +117,10 @@ def shade(value: float, scale: float) -> str:
     return f"rgba({rgb}, {alpha:.3f})"
 
 
-def sentence_html(words: list[str], values: list[float], scale: float) -> str:
-    """One training sentence as ``<span title=score>`` tokens."""
+def sentence_html(words: list[str], values: list[float], scale: float, polarity: int = 1) -> str:
+    """One training sentence as ``<span title=score>`` tokens, shaded by ``polarity × score``."""
     spans = [
-        f'<span class="tok" style="background:{shade(v, scale)}" '
+        f'<span class="tok" style="background:{shade(polarity * v, scale)}" '
         f'title="{html.escape(w)}: {v:+.4g}">{html.escape(w)}</span>'
         for w, v in zip(words, values)
     ]
@@ -128,14 +129,12 @@ def sentence_html(words: list[str], values: list[float], scale: float) -> str:
 
 def render(score, train_text: dict, query_ids: list[str], top_k: int, method: str) -> str:
     """The HTML page: per query, its top-``k`` proponents with shaded tokens."""
-    train_ids, matrix = score.agnostic_matrix()  # sequence scores (num_train, num_query)
+    # {query id: [(train id, sequence score), ...]}, most helpful first (``polarity`` applied).
+    proponents = score.top_k(top_k, test_ids=query_ids)
     sections = []
     for (topic, query), query_id in zip(QUERIES, query_ids):
-        column = matrix[:, score.test_index[query_id]]
-        top = torch.topk(column, k=min(top_k, len(train_ids)))
         rows = []
-        for value, row in zip(top.values.tolist(), top.indices.tolist()):
-            train_hash = train_ids[row]
+        for train_hash, value in proponents[query_id]:
             train_topic, sentence = train_text[train_hash]
             positions, per_pos = score.token_scores(train_hash)
             words = sentence.split()[:MAX_LEN]
@@ -144,7 +143,7 @@ def render(score, train_text: dict, query_ids: list[str], top_k: int, method: st
             scale = max((abs(v) for v in values), default=0.0)
             rows.append(
                 f"<li><b>{value:+.4g}</b> [{html.escape(train_topic)}] "
-                f"{sentence_html(words, values, scale)}</li>"
+                f"{sentence_html(words, values, scale, score.polarity)}</li>"
             )
         sections.append(
             f"<h2>query [{html.escape(topic)}]: {html.escape(query)}</h2><ol>{''.join(rows)}</ol>"

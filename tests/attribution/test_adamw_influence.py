@@ -377,11 +377,15 @@ def test_clear_errors(mlp_runs, tmp_path):
         attributor.attribute_from_cache(train_dir, empty)
 
 
-def test_gradient_accumulation_is_not_implemented(tmp_path):
-    args = make_args(tmp_path, gradient_accumulation_steps=2)
-    attributor = AdamWInfluenceAttributor(args, task=AttributionTask(mlp_loss, MLP()))
-    with pytest.raises(NotImplementedError, match="gradient_accumulation_steps=2"):
+def test_another_optimizer_is_refused_before_training(tmp_path):
+    model = MLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = make_args(tmp_path, optim="sgd")
+    attributor = AdamWInfluenceAttributor(args, task=AttributionTask(mlp_loss, model))
+    with pytest.raises(ValueError, match=r"args.optim='sgd'.*optim='adamw_torch'"):
         attributor.cache(mlp_data(4, 1), mlp_data(2, 2), cache_dir=str(tmp_path / "c"))
+    for key, value in before.items():  # nothing trained
+        assert torch.equal(model.state_dict()[key], value)
 
 
 def test_mismatched_masks_are_refused(tmp_path):

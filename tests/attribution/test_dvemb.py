@@ -16,9 +16,9 @@ import torch
 from attribution_helpers import MLP, mlp_data
 from torch.func import functional_call, grad, vmap
 
-from dattri_llm.attribution.algorithm import _dvemb_sweep
 from dattri_llm.attribution.algorithm.dvemb import DVEmbAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+from dattri_llm.attribution.algorithm.trajectory import sweep as trajectory_sweep
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.utils import read_lr_schedule
 from dattri_llm.gradient.hooks.config import HookManagerConfig
@@ -481,9 +481,9 @@ def test_attribute_refuses_bad_residency_before_training(mlp_run, tmp_path):
 
 
 def test_large_operator_warns(mlp_run, monkeypatch):
-    monkeypatch.setattr(_dvemb_sweep, "OPERATOR_WARN_BYTES", 43 * 43 * 4 - 1)
+    monkeypatch.setattr(trajectory_sweep, "SUMMARY_WARN_BYTES", 43 * 43 * 4 - 1)
     attributor = DVEmbAttributor(make_args(mlp_run["root"] / "warn", mlp_run["case"]))
-    with pytest.warns(UserWarning, match=r"train-side operator holds .* \(43, 43\)"):
+    with pytest.warns(UserWarning, match=r"train-side summary holds .* \(43, 43\)"):
         attributor.attribute_from_cache(mlp_run["train"], mlp_run["test"], learning_rate=None)
     with warnings.catch_warnings():  # the diagonal blocks are smaller: no warning
         warnings.simplefilter("error")

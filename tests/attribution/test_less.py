@@ -390,7 +390,9 @@ def test_live_frozen_form_equals_reference_and_cache(name, tmp_path):
         live_args(tmp_path), task=task, optimizers=optimizers, checkpoint_weights=weights
     )
     config = hook_config(case)
-    live = attributor.attribute(case.dicts(case.train), case.dicts(case.test), hook_config=config)
+    live = attributor.attribute(
+        case.dicts(case.train), case.dicts(case.test), hook_config=config, loss_reduction="sum"
+    )
     check_rows(live, case, expected, ids_of)
     assert live.algorithm_meta["learning_rates"] == {0: 0.25, 1: 2.0}
     memory = attributor.attribute(
@@ -398,6 +400,7 @@ def test_live_frozen_form_equals_reference_and_cache(name, tmp_path):
         case.dicts(case.test),
         hook_config=config,
         gradient_cache_residency="memory",
+        loss_reduction="sum",
     )
     torch.testing.assert_close(memory.scores, live.scores, rtol=1e-5, atol=1e-7)
     pairs = attributor.cache(
@@ -405,6 +408,7 @@ def test_live_frozen_form_equals_reference_and_cache(name, tmp_path):
         case.dicts(case.test),
         cache_dir=str(tmp_path / "c"),
         hook_config=config,
+        loss_reduction="sum",
     )
     for k, (train_dir, test_dir) in enumerate(pairs):
         cached = LESSAttributor(live_args(tmp_path)).attribute_from_cache(
@@ -450,6 +454,7 @@ def test_live_trajectory_form_equals_reference_and_cache(name, loop_over_test, t
         hook_config=config,
         enable_update=True,
         loop_over_test=loop_over_test,
+        loss_reduction="sum",
     )
     rows_of_step = {t: live.step_matrix(t)[0] for t in sorted(live.step_matrices())}
     assert sorted(sum(rows_of_step.values(), [])) == sorted(case.ids(case.train))
@@ -463,6 +468,7 @@ def test_live_trajectory_form_equals_reference_and_cache(name, loop_over_test, t
         hook_config=config,
         enable_update=True,
         gradient_cache_residency="memory",
+        loss_reduction="sum",
     )
     torch.testing.assert_close(memory.scores, live.scores, rtol=1e-5, atol=1e-7)
     ((train_dir, test_dir),) = LESSAttributor(live_args(tmp_path), task=task).cache(
@@ -471,6 +477,7 @@ def test_live_trajectory_form_equals_reference_and_cache(name, loop_over_test, t
         cache_dir=str(tmp_path / "c"),
         hook_config=config,
         enable_update=True,
+        loss_reduction="sum",
     )
     assert read_lr_schedule(train_dir) == pytest.approx(lrs)
     cached = LESSAttributor(live_args(tmp_path)).attribute_from_cache(train_dir, test_dir)

@@ -118,7 +118,10 @@ def test_pre_and_post_moments_equal_the_optimizer_state():
     dyn = rec.dynamics()
     assert type(dyn) is dict and list(dyn) == list(range(STEPS))
     for step, got in dyn.items():
-        assert set(got) == {"pre", "post", "step", "lr", "betas", "eps", "weight_decay"}
+        # the contract's keys, plus what the update applied (window, clip, every group's values)
+        assert set(got) == {
+            "pre", "post", "step", "lr", "betas", "eps", "weight_decay", "update", "layers",
+        }  # fmt: skip
         assert got["step"] == step + 1
         assert got["lr"] == LR and got["betas"] == BETAS
         assert got["eps"] == EPS and got["weight_decay"] == WD

@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from dattri_llm.utils.hashing import PAD_MASK_KEY, hash_batch, hash_sample
+from dattri_llm.utils import hashing
+from dattri_llm.utils.hashing import PAD_MASK_KEY, hash_batch, hash_sample, occurrence_ids
 
 
 def sha256_of(fields: dict[str, torch.Tensor]) -> str:
@@ -143,3 +144,51 @@ def test_hash_batch_errors():
     with pytest.raises(ValueError, match="batch size 3"):
         hash_batch({"ids": torch.ones(2, 2)}, batch_size=3)
     assert hash_batch({"ids": [[1], [2]]}, batch_size=2)[1] == hash_sample({"ids": [2]})
+
+
+def test_occurrence_ids_suffixes_later_repeats_in_order():
+    assert occurrence_ids(["h", "g", "h", "h", "g"]) == ["h", "g", "h#1", "h#2", "g#1"]
+    assert occurrence_ids([]) == []
+    assert "occurrence_ids" in hashing.__all__
+
+
+def test_occurrence_ids_without_repeats_is_unchanged():
+    ids = ["b", "a", "a#1", "c#3"]
+    got = occurrence_ids(ids)
+    assert got == ids and got is not ids
+    assert occurrence_ids(("x", "y")) == ["x", "y"]
+
+
+def test_occurrence_ids_skips_suffixes_already_used():
+    # a concatenation of already disambiguated lists is disambiguated again
+    assert occurrence_ids(["h", "h#1", "h"]) == ["h", "h#1", "h#2"]
+    # an original id later in the list is never taken by an assignment
+    assert occurrence_ids(["h", "h", "h#1", "h#1"]) == ["h", "h#2", "h#1", "h#1#1"]
+    assert occurrence_ids(["h#1", "h", "h", "h"]) == ["h#1", "h", "h#2", "h#3"]
+
+
+def test_occurrence_ids_idempotent_distinct_and_stable():
+    gen = torch.Generator().manual_seed(0)
+    pool = ["a", "b", "a#1", "a#2", "b#1#1", "c"]
+    for _ in range(200):
+        n = int(torch.randint(0, 12, (1,), generator=gen))
+        ids = [pool[int(i)] for i in torch.randint(0, len(pool), (n,), generator=gen)]
+        once = occurrence_ids(ids)
+        assert len(once) == len(ids) and len(set(once)) == len(once)
+        assert occurrence_ids(once) == once
+        # the first occurrence of every id keeps it; repeats get id#k
+        for i, (orig, new) in enumerate(zip(ids, once)):
+            if orig not in ids[:i]:
+                assert new == orig
+            else:
+                assert new.startswith(orig + "#") and new[len(orig) + 1 :].isdigit()
+        # the same content and occurrence gives the same id (a pure function of the list)
+        assert occurrence_ids(list(ids)) == once
+
+
+def test_occurrence_ids_on_identical_rows_of_a_batch():
+    batch = torch.tensor([[1, 2, 3], [4, 5, 6], [1, 2, 3], [1, 2, 3]])
+    hashes = hash_batch({"input_ids": batch})
+    assert hashes[0] == hashes[2] == hashes[3]  # hash_batch keeps its contract
+    h = hashes[0]
+    assert occurrence_ids(hashes) == [h, hashes[1], f"{h}#1", f"{h}#2"]

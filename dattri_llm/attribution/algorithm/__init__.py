@@ -11,6 +11,7 @@ from dattri_llm.attribution.algorithm.less import LESSAttributor
 from dattri_llm.attribution.algorithm.lorif import LoRIFAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.algorithm.trajectory import TrajectoryAttributor
+from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
 
 __all__ = [
     "AdamWInfluenceAttributor",
@@ -22,4 +23,5 @@ __all__ = [
     "LoRIFAttributor",
     "TracInAttributor",
     "TrajectoryAttributor",
+    "TrajectoryTracInAttributor",
 ]

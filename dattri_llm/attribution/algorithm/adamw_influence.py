@@ -1,25 +1,40 @@
 """AdamW-influence: the first-order effect of a training sample through AdamW's real dynamics.
 
-A training step ``t`` maps the optimizer state ``(θ, m, v)`` to the next one.
-Over the ``p`` captured coordinates (all of them, or per-layer masks) the
-recorded moments give, per step, the batch gradient ``g_t = (m_post −
-β1·m_pre)/(1−β1)`` and the diagonal Adam Jacobian ``(D_t, S_t) =
-adam_preconditioner(m_post/(1−β1ⁿ), v_post/(1−β2ⁿ), eps)`` (``n`` = the update
-count after the step). A summary ``W = [W_θ | W_m | W_v]`` — the derivative of
-``θ_T`` in the state after the current step, ``[I | 0 | 0]`` at the end — is
-carried from the latest step to the earliest. At an emitted step a training
-sample ``z`` of the batch scores ``−qᵀ W·push(g_z)`` against each query
-gradient ``q`` (taken at ``θ_T``), ``push = ops.adamw_influence_push``; then
-the step is folded into ``W``: ``V = coupling(W, g_z)``, ``W ←
-transition(W)`` (with the step's weight decay) and ``W_θ += c·Vᵀ g_z``, the
-Gauss–Newton coupling of the batch (``c = |B|`` for a mean loss, 1 for a sum).
-Layers are concatenated: the coupling spans every captured coordinate.
+An update ``t`` maps the optimizer state ``(θ, m, v)`` (plus the running
+maximum ``u`` of ``v`` under ``amsgrad``) to the next one, from the gradient
+the step applied, ``g = C(G_t)``: the accumulated batch gradient ``G_t``
+after the loop's clip ``C`` (``c_t = min(1, M/(‖G_t‖+1e-6))`` over every
+parameter), plus ``wd·θ`` for ``torch.optim.Adam``'s coupled L2 decay. Each
+coordinate uses its own parameter group's ``lr``, ``betas``, ``eps`` and
+``weight_decay``. Up-weighting a training sample ``z`` of update ``t`` moves
+``G_t`` by its share ``t_z``, hence ``g`` by ``C'·t_z`` with the clip's
+Jacobian ``C' = c_t(I − ĝĝᵀ)`` (``I`` when the clip is inactive).
 
-``propagation="train"`` carries ``W`` itself (``(p, 3p)``);
-``propagation="test"`` carries ``U = Q·W`` (``(n_test, 3p)``) instead, which
-gives the same scores at a cost linear in the number of queries.
+A summary ``W = [W_θ | W_m | W_v (| W_u)]``, the derivative of the queries'
+loss at ``θ_T`` in the state after the current update, is carried from the
+last update to the first (:class:`~.trajectory.folds.AdamWFold`). At an
+emitted update a sample scores ``W·∂state/∂g·C'·t_z``, the first-order change
+of the query loss when the sample is up-weighted: **a helpful sample scores
+negative** (``polarity = -1``; :meth:`AttributionScore.top_k` ranks by it).
+Then the update is folded into ``W`` through the AdamW state Jacobian, the
+batch gradient linearised by the Gauss–Newton coupling ``C'·Σ_b c_b t_b t_bᵀ``
+(``c_b`` the inverse of a row's share factor in the loss: its micro-batch's
+rows times the loss divisor for a mean loss, the loss divisor for a sum).
+Every captured coordinate enters the coupling (layers concatenated).
+
+The run's moments come from :class:`OptimizerStateCallback` (``pre`` before and
+``post`` after every update, recorded automatically at ``optimizer.step()``),
+its updates (accumulation windows, clip coefficients, loss scales, parameter
+groups) from the :class:`TrainingDynamicsCallback` it extends. The rows are
+exact (to float rounding) when every trainable parameter is captured on all
+its coordinates; otherwise ``ĝ·t_z`` of the clip's Jacobian sees only the
+captured part (a warning says how much of the gradient that holds), and the
+coupling only the captured coordinates.
+
+``propagation="test"`` carries ``U = Q·W`` (``(n_test, ·)``),
+``propagation="train"`` ``W`` itself (``(p, ·)``); both give the same scores.
 ``num_masks > 1`` splits each layer's captured coordinates into that many
-disjoint random groups, sweeps each group on its own and averages the scores.
+disjoint random groups, sweeps each on its own and averages the scores.
 """
 
 from __future__ import annotations
@@ -30,56 +45,73 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from dattri_llm.attribution import utils as attribution_utils
-from dattri_llm.attribution.algorithm._adamw_sweep import (
-    Summary,
-    check_dynamics_cover,
-    check_loss_reduction,
-    coordinate_groups,
-    identity_summary,
-    layer_widths,
-    select_columns,
-    step_dynamics,
-)
-from dattri_llm.attribution.algorithm.trajectory import TrajectoryAttributor
+from dattri_llm.attribution.algorithm.trajectory import RunDynamics, TrajectoryAttributor
+from dattri_llm.attribution.algorithm.trajectory.folds import ADAMW_OPTIMIZERS, AdamWFold
+from dattri_llm.attribution.algorithm.trajectory.sweep import TrajectorySweep, swept_windows
 from dattri_llm.gradient.callbacks.optimizer_state_callback import OptimizerStateCallback
+from dattri_llm.gradient.callbacks.training_dynamics_callback import load_training_dynamics
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
-from dattri_llm.gradient.ops.optimizer import adamw_influence_push
 from dattri_llm.gradient.snapshots import LazyDynamics, TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.atomic import atomic_torch_save
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.attribution.score import AttributionScore
-    from dattri_llm.gradient.callbacks import HookManagerCallback
-    from dattri_llm.gradient.gradient import GradientRecord
+    from dattri_llm.gradient.callbacks.training_dynamics_callback import (
+        TrainingDynamicsCallback,
+    )
     from dattri_llm.gradient.streaming import GradientSource, GradientStreamer
 
 ADAMW_DYNAMICS_FILE = "adamw_dynamics.pt"
+# Seed of the disjoint coordinate groups of ``num_masks > 1``.
+_GROUP_SEED = 0
+# ``args.optim`` values whose optimizer AdamW-influence models.
+_ADAMW_OPTIMS = ("adamw_torch", "adamw")
 
 Queries = dict[str, torch.Tensor]
 
 
-class _StepTrackingStateCallback(OptimizerStateCallback):
-    """``OptimizerStateCallback`` remembering the step of the last pre-update read."""
+def coordinate_groups(widths: Mapping[str, int], num_masks: int) -> list[torch.Tensor | None]:
+    """``num_masks`` disjoint index sets over the concatenated coordinates (``[None]`` for 1).
 
-    last_step: int | None = None
+    Each layer's coordinates are permuted (seeded by the width) and split into
+    ``num_masks`` near-equal parts; group ``j`` takes part ``j`` of every
+    layer, sorted.
 
-    def on_step_end(self, record: GradientRecord) -> None:
-        """Read the pre-update moments and remember ``record.step``."""
-        super().on_step_end(record)
-        self.last_step = record.step
+    Raises:
+        ValueError: a layer with fewer coordinates than ``num_masks``.
+    """
+    if num_masks == 1:
+        return [None]
+    groups: list[list[torch.Tensor]] = [[] for _ in range(num_masks)]
+    offset = 0
+    for name, width in widths.items():
+        if width < num_masks:
+            raise ValueError(
+                f"num_masks={num_masks} exceeds the {width} captured coordinates of layer "
+                f"{name!r}; use fewer masks or capture more coordinates"
+            )
+        gen = torch.Generator().manual_seed(_GROUP_SEED * 1_000_003 + width)
+        parts = torch.tensor_split(torch.randperm(width, generator=gen), num_masks)
+        for group, part in zip(groups, parts, strict=True):
+            group.append(part.sort().values + offset)
+        offset += width
+    return [torch.cat(group) for group in groups]
+
+
+def check_num_masks(num_masks: object) -> int:
+    """``num_masks`` if it is an int ``>= 1``, else ``ValueError``."""
+    if isinstance(num_masks, bool) or not isinstance(num_masks, int) or num_masks < 1:
+        raise ValueError(f"num_masks must be an int >= 1, got {num_masks!r}")
+    return num_masks
 
 
 class AdamWInfluenceAttributor(TrajectoryAttributor):
     """AdamW-influence (``algorithm="AdamWInfluence"``): influence through AdamW's dynamics.
 
     Args:
-        args: the run settings (``args.gradient_accumulation_steps`` must be 1
-            to collect a run).
+        args: the run settings (``args.optim`` must name AdamW to collect a run).
         task: the :class:`AttributionTask` (``None`` for cache-only use).
         projection_kwargs: per-layer ``"mask"`` configs (``"__default__"``
             fallback) of the captured coordinates, whose optimizer moments are
@@ -88,6 +120,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
     """
 
     algorithm: ClassVar[str] = "AdamWInfluence"
+    # Rows are the first-order change of the query loss when the sample is up-weighted:
+    # a helpful sample scores NEGATIVE (AttributionScore.top_k ranks by polarity * score).
+    polarity: ClassVar[int] = -1
 
     def __init__(
         self,
@@ -98,7 +133,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
     ) -> None:
         super().__init__(args, task=task)
         self.projection_kwargs = projection_kwargs
-        self._state_callback: _StepTrackingStateCallback | None = None
+        self._state_callback: OptimizerStateCallback | None = None
 
     # ------------------------------------------------------------------ collection
     def capture_config(self, hook_config: HookManagerConfig | None) -> HookManagerConfig | None:
@@ -138,7 +173,16 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
 
         The dynamics go to ``adamw_dynamics.pt`` inside the gradient store
         (snapshot stores keep them per step).
+
+        Raises:
+            ValueError: ``args.optim`` is not AdamW (checked before training).
         """
+        if self.args.optim not in _ADAMW_OPTIMS:
+            raise ValueError(
+                f"AdamW-influence models torch.optim.AdamW (and Adam) runs; args.optim="
+                f"{self.args.optim!r} trains with another optimizer. Use optim='adamw_torch', "
+                "or DVEmb / TracIn for other optimizers"
+            )
         return super().cache(
             train_dataset,
             test_dataset,
@@ -147,57 +191,22 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             offload_interval=offload_interval,
         )
 
-    def collect_trajectory(
-        self,
-        train_target: GradientStorageManager | TrajectorySnapshots,
-        test_store: GradientStorageManager,
-        train_dataset: object,
-        test_dataset: object,
-        *,
-        hook_config: HookManagerConfig | None = None,
-        offload_interval: int = 1,
-    ) -> dict[int, float]:
-        """The base collection, refusing gradient accumulation first.
-
-        Raises:
-            NotImplementedError: ``args.gradient_accumulation_steps > 1``.
-        """
-        if self.args.gradient_accumulation_steps > 1:
-            raise NotImplementedError(
-                f"AdamW-influence needs one optimizer update per captured batch; "
-                f"args.gradient_accumulation_steps={self.args.gradient_accumulation_steps} "
-                "accumulates several batches into one update. Use gradient_accumulation_steps=1 "
-                "(raise per_device_train_batch_size instead)"
-            )
-        return super().collect_trajectory(
-            train_target,
-            test_store,
-            train_dataset,
-            test_dataset,
-            hook_config=hook_config,
-            offload_interval=offload_interval,
-        )
-
-    def trajectory_callbacks(
-        self,
-        model: nn.Module,
-        streamer: GradientStreamer,
-        snapshots: TrajectorySnapshots | None,
-    ) -> list[HookManagerCallback]:
+    def dynamics_recorder(
+        self, streamer: GradientStreamer, snapshots: object | None = None
+    ) -> TrainingDynamicsCallback:
         """An ``OptimizerStateCallback`` on the captured coordinates (into ``snapshots`` if any)."""
         projection = self.projection_kwargs
         if projection is None:
             projection = streamer.hook_manager.config.projection_kwargs
-        self._state_callback = _StepTrackingStateCallback(
-            model, lambda: streamer.optimizer, projection_kwargs=projection, snapshots=snapshots
+        self._state_callback = OptimizerStateCallback(
+            streamer.model,
+            lambda: streamer.optimizer,
+            projection_kwargs=projection,
+            snapshots=snapshots,
+            grad_scaler=lambda: streamer.grad_scaler,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
         )
-        return [self._state_callback]
-
-    def on_trajectory_block(self) -> None:
-        """Read the post-update moments of the step just taken."""
-        callback = self._state_callback
-        if callback is not None and callback.last_step is not None:
-            callback.record_post(callback.last_step)
+        return self._state_callback
 
     def finish_trajectory(self, train_target: GradientStorageManager | TrajectorySnapshots) -> None:
         """Save the dynamics as ``adamw_dynamics.pt`` inside a gradient store (rank 0)."""
@@ -245,8 +254,8 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             )
         raise ValueError(
             f"no AdamW dynamics recorded beside the train source {directory}; pass "
-            "dynamics=OptimizerStateCallback.dynamics() (with record_post(step) after every "
-            f"optimizer.step()), a file path, or keep {ADAMW_DYNAMICS_FILE} in the gradient store"
+            "dynamics=OptimizerStateCallback.dynamics(), a file path, or keep "
+            f"{ADAMW_DYNAMICS_FILE} in the gradient store"
         )
 
     # ------------------------------------------------------------------ sweeps
@@ -262,27 +271,34 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         num_masks: int = 1,
         block_dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, list[str], list[int]]:
-        """Train-side sweep carrying ``W`` (``(p, 3p)`` per coordinate group).
+        """Train-side sweep carrying ``W`` (``(p, ·)`` per coordinate group).
 
         Args:
             train_source: the run's per-step gradients (``open_train_source``).
             queries: ``{layer: (n_test, p_layer)}`` query gradients at ``θ_T``
-                on the captured coordinates; their sorted layers are scored.
-            dynamics: ``{step: entry}`` covering every propagated step.
-            prop_steps: steps to propagate through, latest first.
+                on the captured coordinates.
+            dynamics: ``{step: entry}`` covering every propagated update.
+            prop_steps: store steps to propagate through, latest first.
             output_steps: steps whose rows are emitted (a subset of ``prop_steps``).
-            loss_reduction: ``"mean"`` (``c = |B|``) or ``"sum"`` (``c = 1``).
+            loss_reduction: ``"mean"`` or ``"sum"`` (see the module docstring).
             num_masks: disjoint coordinate groups swept separately and averaged.
-            block_dtype: dtype the training gradients are read in.
+            block_dtype: dtype the sweep computes in.
 
         Returns:
             ``(scores (rows, n_test) float32 CPU, row_train_ids, row_steps)``,
             rows latest step first.
         """
-        return self._sweep(
-            train_source, queries, dynamics, prop_steps, output_steps,
-            loss_reduction, num_masks, block_dtype, query_side=False,
-        )  # fmt: skip
+        return self._sweep_source(
+            train_source,
+            queries,
+            dynamics,
+            prop_steps,
+            output_steps,
+            loss_reduction,
+            num_masks,
+            block_dtype,
+            "train",
+        )
 
     def sweep_queries(
         self,
@@ -296,14 +312,21 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         num_masks: int = 1,
         block_dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, list[str], list[int]]:
-        """Query-side sweep carrying ``U = Q·W`` (``(n_test, 3p)``); same arguments and
-        scores as :meth:`sweep`."""
-        return self._sweep(
-            train_source, queries, dynamics, prop_steps, output_steps,
-            loss_reduction, num_masks, block_dtype, query_side=True,
-        )  # fmt: skip
+        """Query-side sweep carrying ``U = Q·W`` (``(n_test, ·)``); same arguments and scores
+        as :meth:`sweep`."""
+        return self._sweep_source(
+            train_source,
+            queries,
+            dynamics,
+            prop_steps,
+            output_steps,
+            loss_reduction,
+            num_masks,
+            block_dtype,
+            "test",
+        )
 
-    def _sweep(
+    def _sweep_source(
         self,
         train_source: GradientSource,
         queries: Queries,
@@ -313,103 +336,35 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         loss_reduction: str,
         num_masks: int,
         block_dtype: torch.dtype,
-        *,
-        query_side: bool,
+        propagation: str,
     ) -> tuple[torch.Tensor, list[str], list[int]]:
-        """The backward recurrence shared by both propagations (see the module docstring)."""
-        check_loss_reduction(loss_reduction)
-        layers = sorted(queries)
-        device = torch.device(self.args.device)
-        q = torch.cat([queries[name] for name in layers], dim=1).to(device, torch.float32)
-        check_dynamics_cover(dynamics, prop_steps)
-        widths = layer_widths(dynamics[prop_steps[0]], layers)
-        for name in layers:
-            if queries[name].shape[1] != widths[name]:
-                raise ValueError(
-                    f"layer {name!r}: the queries have {queries[name].shape[1]} coordinates but "
-                    f"the AdamW dynamics {widths[name]}; capture the queries with the same "
-                    "projection_kwargs (masks) as the run"
-                )
-        groups = coordinate_groups(widths, num_masks)
-        summaries = [
-            Summary(
-                select_columns(q, index)
-                if query_side
-                else identity_summary(index, q.shape[1], device)
-            )
-            for index in groups
-        ]
-        emitted = set(output_steps)
-        rows: list[torch.Tensor] = []
-        row_ids: list[str] = []
-        row_steps: list[int] = []
-        for step in self.steps_bar(prop_steps):
-            g_z, ids = self._step_gradients(train_source, step, layers, widths, block_dtype)
-            dyn = step_dynamics(dynamics[step], layers, step, device)
-            c = float(g_z.shape[0]) if loss_reduction == "mean" else 1.0
-            total = torch.zeros(g_z.shape[0], q.shape[0], device=device)
-            for index, summary in zip(groups, summaries, strict=True):
-                g_group, dyn_group = select_columns(g_z, index), dyn.subset(index)
-                if step in emitted:
-                    push = adamw_influence_push(
-                        g_group,
-                        dyn_group.g_t,
-                        dyn_group.d,
-                        dyn_group.s,
-                        **dyn_group.kernel_kwargs(),
-                    )
-                    moved = summary.apply(push)
-                    total -= moved if query_side else moved @ select_columns(q, index).T
-                summary.fold(g_group, dyn_group, c)
-            if step in emitted:
-                rows.append((total / len(groups)).cpu())
-                row_ids.extend(ids)
-                row_steps.extend([step] * len(ids))
-        scores = torch.cat(rows) if rows else torch.zeros(0, q.shape[0])
-        return scores, row_ids, row_steps
+        """One sweep of an opened source (behind :meth:`sweep` and :meth:`sweep_queries`)."""
+        directory = self.train_dir_of(train_source)
+        recorded = None if directory is None else load_training_dynamics(directory)
+        run = RunDynamics.from_records(recorded, entries=dynamics)
+        windows = run.windows(prop_steps)
+        _check_entries(dynamics, swept_windows(windows, set(output_steps)))
+        engine = TrajectorySweep(
+            self._fold(run),
+            run,
+            device=torch.device(self.args.device),
+            dtype=block_dtype,
+            loss_reduction=loss_reduction,
+            groups=_groups(check_num_masks(num_masks)),
+        )
+        result = engine.sweep(
+            train_source,
+            windows,
+            set(output_steps),
+            queries,
+            propagation=propagation,
+            entries=dynamics,
+        )
+        return result.scores, result.row_ids, result.row_steps
 
-    def _step_gradients(
-        self,
-        train_source: GradientSource,
-        step: int,
-        layers: list[str],
-        widths: Mapping[str, int],
-        dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, list[str]]:
-        """``(g_z (B, p) on args.device, ids)``: the step's per-sample rows, layers concatenated.
-
-        Raises:
-            ValueError: the step yields no block, lacks a layer, or a layer's
-                width differs from the dynamics'.
-        """
-        device = torch.device(self.args.device)
-        columns: dict[str, list[torch.Tensor]] = {name: [] for name in layers}
-        ids: list[str] = []
-        for _step, block, block_ids in self.open_train_source(train_source, steps=[step]):
-            missing = sorted(set(layers) - set(block.layer_names))
-            if missing:
-                raise ValueError(
-                    f"training step {step} holds no gradients for query layers {missing}; "
-                    "capture the run and the queries on the same layers"
-                )
-            dense = block.select_layers(layers).materialize()
-            for name in layers:
-                value = dense.data[name].to(device=device, dtype=dtype)
-                columns[name].append(value.reshape(value.shape[0], -1))
-            ids.extend(str(i) for i in block_ids)
-        if not ids:
-            raise ValueError(f"the train source yielded no block for step {step}")
-        parts = []
-        for name in layers:
-            value = torch.cat(columns[name])
-            if value.shape[1] != widths[name]:
-                raise ValueError(
-                    f"layer {name!r}: step {step} gradients have {value.shape[1]} coordinates "
-                    f"but the AdamW dynamics {widths[name]}; capture the gradients and record "
-                    "the moments with the same projection_kwargs (masks)"
-                )
-            parts.append(value)
-        return torch.cat(parts, dim=1), ids
+    @staticmethod
+    def _fold(run: RunDynamics) -> AdamWFold:
+        return AdamWFold(amsgrad=run.recorded and 1.0 in run.group_settings("amsgrad"))
 
     # ------------------------------------------------------------------ entry points
     def attribute(
@@ -425,9 +380,10 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
 
         ``kwargs`` ``cache_dir`` (default ``args.output_dir``) and
         ``offload_interval`` go to :meth:`cache`, the others to
-        :meth:`attribute_from_cache`.
+        :meth:`attribute_from_cache` (checked before training).
         """
         cache_options = {k: kwargs.pop(k) for k in ("cache_dir", "offload_interval") if k in kwargs}
+        _check_options(kwargs)
         ((train_dir, test_dir),) = self.cache(
             train_dataset, test_dataset, hook_config=hook_config, **cache_options
         )
@@ -465,69 +421,99 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
 
         Raises:
             ValueError: bad ``loss_reduction`` / ``propagation`` / ``num_masks``;
-                a propagated step without dynamics; an empty test source.
+                a propagated step without dynamics; an optimizer other than
+                Adam/AdamW or ``maximize=True`` in the recorded run; an empty
+                test source.
         """
-        check_loss_reduction(loss_reduction)
+        _check_options({"loss_reduction": loss_reduction, **kwargs})
         self.validate_propagation(propagation, loop_over_test)
-        num_masks = kwargs.pop("num_masks", 1)
-        if isinstance(num_masks, bool) or not isinstance(num_masks, int) or num_masks < 1:
-            raise ValueError(f"num_masks must be an int >= 1, got {num_masks!r}")
-        layers = attribution_utils.normalize_layer_names(layer_name)
-        test_store = self.resolve_store(test_source)
-        if not test_store.index:
-            raise ValueError(
-                f"the test gradient store {str(test_store.save_dir)!r} holds no records; "
-                "capture the queries at the final parameters into it first"
-            )
-        loaded = self.load_dynamics(train_source, dynamics)
-        prop_steps, output_steps, final_step = self.resolve_steps(
-            self.available_steps(train_source), selected_training_steps, final_step
-        )
-        check_dynamics_cover(loaded, prop_steps)
-        sweep = self.sweep_queries if propagation == "test" else self.sweep
-        options = {
-            "loss_reduction": loss_reduction,
-            "num_masks": num_masks,
-            "block_dtype": block_dtype,
-        }
-        self._verbose = verbose
-        source = self.open_train_source(
+        num_masks = check_num_masks(kwargs.pop("num_masks", 1))
+        test_store = self.require_test_records(test_source)
+        entries = self.load_dynamics(train_source, dynamics)
+        scope = self.run_scope(
             train_source,
-            steps=prop_steps,
-            layer_name=layers,
-            hook_config=self.capture_config(hook_config),
+            selected_training_steps=selected_training_steps,
+            final_step=final_step,
+            entries=entries,
         )
+        _check_entries(entries, scope.swept)
+        fold = self._fold(scope.run)
+        fold.check_run(scope.run, scope.swept)
+        self._verbose = verbose
         try:
-            test = self.load_test_rep(test_source, layer_name=layers)
-            query_blocks = [[item] for item in test] if loop_over_test else [test]
-            results, test_ids, scored = [], [], []
-            for block in query_blocks:
-                ids, queries = self.collect_test_matrix(block)
-                results.append(sweep(source, queries, loaded, prop_steps, output_steps, **options))
-                test_ids.extend(ids)
-                scored = sorted(queries)
+            result, test_ids = self.score_run(
+                train_source,
+                test_store,
+                fold,
+                scope,
+                layer_name=layer_name,
+                hook_config=self.capture_config(hook_config),
+                loss_reduction=loss_reduction,
+                propagation=propagation,
+                loop_over_test=loop_over_test,
+                block_dtype=block_dtype,
+                groups=_groups(num_masks),
+                entries=entries,
+                verbose=verbose,
+            )
         finally:
-            self.close_source(source)
             self._verbose = False
-        scores = torch.cat([result[0] for result in results], dim=1)
-        _, row_ids, row_steps = results[0]
         meta = {
-            "final_step": final_step,
-            "selected_training_steps": output_steps if selected_training_steps else None,
-            "propagated_steps": prop_steps,
-            "loss_reduction": loss_reduction,
-            "propagation": propagation,
-            "loop_over_test": loop_over_test,
+            **self.run_meta(
+                train_source,
+                test_store,
+                scope,
+                selected_training_steps=selected_training_steps,
+                loss_reduction=loss_reduction,
+                propagation=propagation,
+                loop_over_test=loop_over_test,
+                block_dtype=block_dtype,
+            ),
             "num_masks": num_masks,
-            "block_dtype": str(block_dtype),
             "projection_kwargs": self.projection_kwargs,
-            **self.source_meta(train_source, test_store),
             **kwargs,
         }
-        self.scored_layers = scored
+        self.scored_layers = result.layers
         return self.build_score(
-            scores, row_ids, row_steps, test_ids, algorithm_meta=meta, layer_name=scored
+            result.scores,
+            result.row_ids,
+            result.row_steps,
+            test_ids,
+            algorithm_meta=meta,
+            layer_name=result.layers,
         )
+
+
+def _groups(num_masks: int):
+    """The engine's coordinate groups of ``num_masks`` disjoint masks."""
+    return lambda layout: coordinate_groups(layout, num_masks)
+
+
+def _check_entries(entries: Mapping[int, dict], windows: list) -> None:
+    """``ValueError`` naming the swept updates ``entries`` lack."""
+    missing = sorted(w.key for w in windows if w.record_key not in entries)
+    if missing:
+        raise ValueError(
+            f"the AdamW dynamics lack propagated step(s) {missing} (they cover "
+            f"{sorted(entries)}); record every step with OptimizerStateCallback, or pass "
+            "final_step / a train source ending where they end"
+        )
+
+
+_OPTIONS = ("loss_reduction", "num_masks")
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    """``ValueError`` for a bad ``loss_reduction`` or ``num_masks`` (before any work)."""
+    from dattri_llm.attribution.algorithm.trajectory import LOSS_REDUCTIONS
+
+    reduction = options.get("loss_reduction", "mean")
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(
+            f"loss_reduction must be one of {list(LOSS_REDUCTIONS)}, got {reduction!r}"
+        )
+    if "num_masks" in options:
+        check_num_masks(options["num_masks"])
 
 
 def _snapshots_of(train: object) -> TrajectorySnapshots | None:
@@ -540,3 +526,11 @@ def _snapshots_of(train: object) -> TrajectorySnapshots | None:
         return TrajectorySnapshots(Path(train).expanduser())
     snapshots = getattr(train, "snapshots", None)
     return snapshots if isinstance(snapshots, TrajectorySnapshots) else None
+
+
+__all__ = [
+    "ADAMW_DYNAMICS_FILE",
+    "ADAMW_OPTIMIZERS",
+    "AdamWInfluenceAttributor",
+    "coordinate_groups",
+]

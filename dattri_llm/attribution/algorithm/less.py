@@ -3,15 +3,23 @@
 ``Inf(z, z') = Σ_t w_t · cos(Γ(z; θ_t), ∇ℓ(z'; θ_t))`` (Xia et al., 2024). The
 train side is captured preconditioned (``Γ`` = ``ops.precondition`` with the
 optimizer state before the step, through ``HookManager(optimizer=...)``;
-projection ``"mask"`` or ``"dense"`` only), the queries raw. Each train row is
-scaled to norm ``w_t`` and each test row to norm 1 (norms over the row's
-per-sample layers), then the plain inner product of the base class is taken;
+projection ``"mask"`` or ``"dense"`` only), the queries raw. ``Γ`` is the
+update direction of the sample's *own* gradient: with ``loss_reduction="mean"``
+(the default) the map sees ``B·share`` (times the loss divisor of gradient
+accumulation), not the share the hook captured
+(``HookManager.set_loss_convention``). Each train row is scaled to norm
+``w_t`` and each test row to norm 1 (norms over the row's per-sample layers),
+then the plain inner product of the base class is taken;
 ``AttributionScore.agnostic_matrix()`` sums the weighted rows over steps.
 
 Two forms:
 * trajectory (``enable_update=True``): one training run from checkpoint 0,
-  ``w_t`` = the learning rate applied at step ``t`` (``lr_schedule.json``
-  beside a cached trajectory store);
+  ``w_t = η_t·c_t``, the learning rate applied at step ``t`` (the first
+  parameter group's, ``lr_schedule.json``) times the clip coefficient the
+  update applied (``training_dynamics.json`` beside a cached trajectory
+  store). Where parameter groups have other learning rates, each
+  coordinate of ``Γ`` is first scaled by its group's rate over ``η_t`` (the
+  direction the parameters really moved);
 * frozen (``enable_update=False``): one frozen pass per task checkpoint ``k``
   preconditioned with ``optimizers[k]``, ``w_k = checkpoint_weights[k]``
   (default 1).
@@ -27,7 +35,12 @@ import torch
 
 from dattri_llm.attribution import utils as attribution_utils
 from dattri_llm.attribution.algorithm.tracin import COSINE_EPS
+from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
 from dattri_llm.attribution.base import BaseInnerProductAttributor
+from dattri_llm.gradient.callbacks.training_dynamics_callback import (
+    TrainingDynamicsCallback,
+    load_training_dynamics,
+)
 from dattri_llm.gradient.gradient import Factorized, Gradient
 from dattri_llm.gradient.ops.dot import grad_norm_sq
 from dattri_llm.gradient.streaming import GradientStreamer
@@ -163,6 +176,9 @@ class LESSAttributor(BaseInnerProductAttributor):
                 "(checkpoint), or none for unit weights"
             )
         self._step_weight: StepWeight | None = None
+        self._coordinate_rates: _CoordinateRates | None = None
+        self._loss_reduction = "mean"
+        self._live_recorder: TrainingDynamicsCallback | None = None
 
     # ------------------------------------------------------------------ frozen form
     def checkpoint_weight(self, k: int) -> float:
@@ -205,8 +221,11 @@ class LESSAttributor(BaseInnerProductAttributor):
 
         Trajectory (``enable_update=True``): the streamer trains with the
         optimizer it builds from ``args`` and captures each step's update
-        direction with the pre-step state. Frozen: a probe at checkpoint
+        direction with the pre-step state; a ``TrainingDynamicsCallback``
+        records what each update applied. Frozen: a probe at checkpoint
         ``checkpoint_step`` preconditioned with ``optimizers[checkpoint_step]``.
+        Either way the map sees each sample's own gradient under the call's
+        ``loss_reduction`` (``HookManager.set_loss_convention``).
         """
         if enable_update:
             if self.optimizers is not None:
@@ -219,7 +238,7 @@ class LESSAttributor(BaseInnerProductAttributor):
             optimizer = None
         else:
             optimizer = self._frozen_optimizer(checkpoint_step)
-        return self._train_streamer(
+        streamer = self._train_streamer(
             train_dataset,
             "generate_train_rep",
             checkpoint_step=checkpoint_step,
@@ -228,24 +247,56 @@ class LESSAttributor(BaseInnerProductAttributor):
             optimizer=optimizer,
             precondition=True,
         )
+        divisor = self.args.gradient_accumulation_steps if enable_update else 1
+        streamer.hook_manager.set_loss_convention(self._loss_reduction, divisor)
+        if enable_update:
+            self.attach_dynamics_recorder(streamer)
+        return streamer
 
     # ------------------------------------------------------------------ transforms
     def prepare_scoring(self, train_source: object, test_source: object) -> None:
-        """A live train streamer sets the step weights: its learning rates, or ``w_k``."""
+        """A live train streamer sets the step weights: its learning rates, or ``w_k``.
+
+        A live trajectory's clip coefficients are known only after each update:
+        its rows are scaled by them when the score is built.
+        """
         if isinstance(train_source, GradientStreamer):
             if train_source.enable_update:
                 self._step_weight = lambda step: train_source.learning_rates[step]
+                self._live_recorder = self.attach_dynamics_recorder(train_source)
             else:
                 self._step_weight = self.checkpoint_weight
 
     def transform_train_step(self, step: int, block: Gradient) -> Gradient:
-        """Each train row rescaled to norm ``w_step``."""
+        """Each train row (coordinates scaled by their group's rate) rescaled to norm ``w_step``."""
         weight = 1.0 if self._step_weight is None else self._step_weight(step)
+        if self._coordinate_rates is not None:
+            block = self._coordinate_rates.scale(step, block)
         return scale_to_norm(block, weight)
 
     def transform_test_rep(self, block: Gradient) -> Gradient:
         """Each test row rescaled to norm 1."""
         return scale_to_norm(block, 1.0)
+
+    def build_score(
+        self,
+        scores: torch.Tensor,
+        row_train_ids: list[str],
+        row_steps: list[int],
+        test_ids: list[str],
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """The base score; a live trajectory's rows times their update's clip coefficient."""
+        recorder, self._live_recorder = self._live_recorder, None
+        if recorder is not None:
+            clip = {
+                step: float(update["clip_coef"])
+                for update in recorder.updates.values()
+                for step in update["steps"]
+            }
+            factors = torch.tensor([clip.get(step, 1.0) for step in row_steps])
+            scores = scores * factors.to(scores)[:, None]
+        return super().build_score(scores, row_train_ids, row_steps, test_ids, **kwargs)
 
     # ------------------------------------------------------------------ entry points
     def cache(
@@ -254,14 +305,18 @@ class LESSAttributor(BaseInnerProductAttributor):
         test_dataset: object,
         *,
         enable_update: bool = False,
+        loss_reduction: str = "mean",
         **kwargs: Any,
     ) -> list[tuple[str, str]]:
         """Collect raw test and preconditioned train gradients (see the base ``cache``).
 
-        A trajectory store gets ``lr_schedule.json`` beside it; the frozen form
-        writes one store pair per checkpoint (score each with
-        ``attribute_from_cache(..., checkpoint_weight=w_k)``).
+        A trajectory store gets ``lr_schedule.json`` and ``training_dynamics.json``
+        beside it; the frozen form writes one store pair per checkpoint (score
+        each with ``attribute_from_cache(..., checkpoint_weight=w_k)``).
+        ``loss_reduction``: how the train loss reduces over a batch (``"mean"``
+        or ``"sum"``), so the map sees each sample's own gradient.
         """
+        self._loss_reduction = _checked_reduction(loss_reduction)
         if not enable_update:
             self._check_frozen_form()
         return super().cache(train_dataset, test_dataset, enable_update=enable_update, **kwargs)
@@ -277,14 +332,16 @@ class LESSAttributor(BaseInnerProductAttributor):
         enable_update: bool = False,
         gradient_cache_residency: str | None = None,
         attribution_granularity: str = "instance",
+        loss_reduction: str = "mean",
     ) -> AttributionScore:
         """Live LESS scores: trajectory (``enable_update=True``) or frozen form.
 
         Rows are stamped with the optimizer step (trajectory) or the checkpoint
         index (frozen); ``algorithm_meta["learning_rates"]`` holds the frozen
-        form's ``{k: w_k}``.
+        form's ``{k: w_k}``. ``loss_reduction`` as in :meth:`cache`.
         """
-        extra: dict[str, Any] = {}
+        self._loss_reduction = _checked_reduction(loss_reduction)
+        extra: dict[str, Any] = {"loss_reduction": loss_reduction}
         if not enable_update:
             self.require_task("attribute")
             self._check_frozen_form()
@@ -303,6 +360,7 @@ class LESSAttributor(BaseInnerProductAttributor):
             )
         finally:
             self._step_weight = None
+            self._live_recorder = None
 
     def attribute_from_cache(
         self,
@@ -317,20 +375,27 @@ class LESSAttributor(BaseInnerProductAttributor):
         """LESS scores from a preconditioned train store and a raw test store.
 
         Weights: ``learning_rates`` (a float, or ``{step: lr}``), else
-        ``checkpoint_weight``, else ``lr_schedule.json`` beside the train
-        store, else 1. ``kwargs`` go to the base method.
+        ``checkpoint_weight``, else the recorded run (``training_dynamics.json``:
+        each update's first-group rate and per-group rates), else
+        ``lr_schedule.json`` beside the train store, else 1. A recorded run's
+        clip coefficients multiply every weight but ``checkpoint_weight``.
+        ``kwargs`` go to the base method.
 
         Raises:
             ValueError: a scored step has no weight in ``learning_rates`` or
                 the schedule file.
         """
+        kwargs.pop("loss_reduction", None)  # a capture-time setting, recorded by attribute()
         train_store = self.resolve_store(train_source)
-        weight, origin = self._stored_weights(train_store, checkpoint_weight, learning_rates)
+        run = _recorded_run(train_store)
+        weight, origin = self._stored_weights(train_store, checkpoint_weight, learning_rates, run)
         steps = kwargs.get("selected_training_steps")
         for step in _scored_steps(train_store, steps):
             weight(step)  # refuse a step without weight before any scoring work
         meta = {"weights_from": origin, **(algorithm_meta or {})}
         self._step_weight = weight
+        if run is not None and checkpoint_weight is None:
+            self._coordinate_rates = _CoordinateRates(run, train_store.available_steps())
         try:
             return super().attribute_from_cache(
                 train_source,
@@ -342,25 +407,106 @@ class LESSAttributor(BaseInnerProductAttributor):
             )
         finally:
             self._step_weight = None
+            self._coordinate_rates = None
 
     @staticmethod
     def _stored_weights(
         train_store: GradientStorageManager,
         checkpoint_weight: float | None,
         learning_rates: float | Mapping[int, float] | None,
+        run: RunDynamics | None = None,
     ) -> tuple[StepWeight, str]:
         """The step-weight lookup of a cached scoring call and where it came from."""
+        clip = _clip_of(run, train_store.available_steps())
         if learning_rates is not None:
             if isinstance(learning_rates, Mapping):
-                return _steps_table("learning_rates", learning_rates), "learning_rates"
-            return _constant(learning_rates), "learning_rates"
+                rates = _steps_table("learning_rates", learning_rates)
+            else:
+                rates = _constant(learning_rates)
+            return _times(rates, clip), "learning_rates"
         if checkpoint_weight is not None:
             return _constant(checkpoint_weight), "checkpoint_weight"
+        if run is not None:
+            windows = _window_of(run, train_store.available_steps())
+            recorded = {step: run.reference_lr(window) for step, window in windows.items()}
+            table = _steps_table("the recorded run (training_dynamics.json)", recorded)
+            return _times(table, clip), "training_dynamics"
         schedule = attribution_utils.read_lr_schedule(train_store.save_dir)
         if schedule is not None:
             path = train_store.save_dir / attribution_utils.LR_SCHEDULE_FILE
             return _steps_table(f"the schedule {str(path)!r}", schedule), "lr_schedule"
         return _constant(1.0), "unit"
+
+
+def _checked_reduction(loss_reduction: str) -> str:
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be one of ['mean', 'sum'], got {loss_reduction!r}")
+    return loss_reduction
+
+
+def _recorded_run(store: GradientStorageManager) -> RunDynamics | None:
+    """The run recorded beside a trajectory store (``None`` without ``training_dynamics.json``)."""
+    recorded = load_training_dynamics(store.save_dir)
+    if recorded is None:
+        return None
+    return RunDynamics.from_records(recorded, merged=store.gradient_accumulation_steps > 1)
+
+
+def _window_of(run: RunDynamics, steps: list[int]) -> dict[int, Window]:
+    """``{store step: its update}``."""
+    return {step: window for window in run.windows(steps) for step in window.steps}
+
+
+def _clip_of(run: RunDynamics | None, steps: list[int]) -> StepWeight:
+    """``step → c`` of the recorded run (1 without one)."""
+    if run is None:
+        return _constant(1.0)
+    windows = _window_of(run, steps)
+    return lambda step: windows[step].clip_coef if step in windows else 1.0
+
+
+def _times(first: StepWeight, second: StepWeight) -> StepWeight:
+    return lambda step: first(step) * second(step)
+
+
+class _CoordinateRates:
+    """Scales each coordinate of a step's rows by its group's rate over the reference rate."""
+
+    def __init__(self, run: RunDynamics, steps: list[int]) -> None:
+        self.run = run
+        self.windows = _window_of(run, steps)
+        self._ratios: dict[tuple[int, str, int], torch.Tensor | None] = {}
+
+    def scale(self, step: int, block: Gradient) -> Gradient:
+        window = self.windows.get(step)
+        if window is None or self.run.uniform(window, "lr") is not None:
+            return block
+        data = dict(block.data)
+        for name in attribution_utils.per_sample_layers(block):
+            value = block.data[name]
+            if isinstance(value, Factorized):
+                self.run.warn_once(
+                    f"factorized:{name}",
+                    f"layer {name!r} is stored factorized, so its coordinates cannot take their "
+                    "groups' own learning rates; LESS uses the reference rate for it",
+                )
+                continue
+            ratio = self._ratio(window, name, value.shape[-1])
+            data[name] = value * ratio.to(value)
+        return Gradient(
+            dict(block.representation),
+            data,
+            dict(block.layer_types),
+            dict(block.indexing),
+            validate_on_init=False,
+        )
+
+    def _ratio(self, window: Window, name: str, width: int) -> torch.Tensor:
+        key = (window.key, name, width)
+        if key not in self._ratios:
+            rates = self.run.values(window, {name: width}, "lr", dtype=torch.float64)
+            self._ratios[key] = (rates / self.run.reference_lr(window)).float()
+        return self._ratios[key]
 
 
 def _scored_steps(store: GradientStorageManager, selected: Iterable[int] | None) -> list[int]:

@@ -7,6 +7,7 @@ from dattri_llm.gradient.callbacks.kronecker_covariance_callback import Kronecke
 from dattri_llm.gradient.callbacks.offload_callback import OffloadCallback
 from dattri_llm.gradient.callbacks.optimizer_state_callback import OptimizerStateCallback
 from dattri_llm.gradient.callbacks.parameter_snapshot_callback import ParameterSnapshotCallback
+from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDynamicsCallback
 
 __all__ = [
     "CaptureCallback",
@@ -16,4 +17,5 @@ __all__ = [
     "OffloadCallback",
     "OptimizerStateCallback",
     "ParameterSnapshotCallback",
+    "TrainingDynamicsCallback",
 ]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from dattri_llm.gradient.async_writer import AsyncGradientWriter
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
 from dattri_llm.gradient.gradient import GradientRecord
+from dattri_llm.utils.hashing import occurrence_ids
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.hooks.manager import HookManager
@@ -28,10 +29,12 @@ def merge_window(records: list[GradientRecord], step: int) -> GradientRecord:
     """One record for an accumulation window, stamped ``step``.
 
     Gradients are batch-concatenated in order (unequal token lengths padded),
-    identifier lists concatenated, ``sample_id_key`` taken from the first.
+    identifier lists concatenated and made distinct per occurrence
+    (`occurrence_ids`: a repeat across micro-batches gets a ``#k`` suffix),
+    ``sample_id_key`` taken from the first.
     """
     gradient = reduce(lambda g1, g2: g1.concatenate(g2, dim="batch"), (r.gradient for r in records))
-    identifiers = [h for r in records for h in _identifiers(r)]
+    identifiers = occurrence_ids([h for r in records for h in _identifiers(r)])
     return GradientRecord(
         step=step,
         input_hash=identifiers,

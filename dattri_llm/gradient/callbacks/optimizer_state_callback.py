@@ -2,25 +2,31 @@
 
 Entries (``pre[step]``, ``post[step]``, or the snapshot store's dynamics files)::
 
-    {"moments": {layer: (exp_avg (k,), exp_avg_sq (k,))},   # float32 CPU
+    {"moments": {layer: (exp_avg (k,), exp_avg_sq (k,)[, max_exp_avg_sq (k,)])},  # float32 CPU
      "step": <updates taken when read>, "lr": float, "betas": (β1, β2),
      "eps": float, "weight_decay": float}
 
 ``k`` is the layer's materialize-layout width, or its mask size under a
-``"mask"`` projection. :func:`assemble_dynamics` joins the two sides of a
-step into the entry AdamW-influence consumes.
+``"mask"`` projection; ``max_exp_avg_sq`` is read for ``amsgrad`` groups.
+The scalar values are the first recorded layer's weight group's (older
+readers use them); the post entry of an update recorded at
+``optimizer.step()`` also carries ``"update"`` (what the update applied:
+window, clip, loss scale, every group's values) and ``"layers"`` (each
+layer's groups and bias coordinates), see
+:class:`~dattri_llm.gradient.callbacks.training_dynamics_callback.TrainingDynamicsCallback`.
+:func:`assemble_dynamics` joins the two sides of a step into the entry
+AdamW-influence consumes.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from dattri_llm.gradient.callbacks.base import HookManagerCallback
+from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDynamicsCallback
 from dattri_llm.gradient.gradient import base_layer_name
 from dattri_llm.gradient.ops.projection import DattriProjector, mask_coordinates
 from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
@@ -33,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["OptimizerStateCallback", "assemble_dynamics"]
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+_AMSGRAD_KEY = "max_exp_avg_sq"
 _SUPPORTED_OPTIMIZERS = ("Adam", "AdamW")
 _GROUP_KEYS = ("step", "lr", "betas", "eps", "weight_decay")
 
@@ -43,9 +50,10 @@ def assemble_dynamics(pre: dict, post: dict) -> dict:
     Returns:
         ``{"pre": {layer: (m, v)}, "post": {layer: (m, v)}, "step": post["step"],
         "lr", "betas", "eps", "weight_decay"}`` — ``step`` is the update count after
-        the step's update; the hyperparameters come from the pre side.
+        the step's update; the hyperparameters come from the pre side — plus the
+        post side's ``"update"`` and ``"layers"`` when it has them.
     """
-    return {
+    entry = {
         "pre": pre["moments"],
         "post": post["moments"],
         "step": post["step"],
@@ -54,6 +62,10 @@ def assemble_dynamics(pre: dict, post: dict) -> dict:
         "eps": pre["eps"],
         "weight_decay": pre["weight_decay"],
     }
+    for key in ("update", "layers"):
+        if key in post:
+            entry[key] = post[key]
+    return entry
 
 
 def _group_values(layer: LayerOptimizerState) -> dict:
@@ -69,15 +81,19 @@ def _group_values(layer: LayerOptimizerState) -> dict:
     }
 
 
-class OptimizerStateCallback(HookManagerCallback):
+class OptimizerStateCallback(TrainingDynamicsCallback):
     """Record Adam / AdamW first and second moments around every optimizer update.
 
     ``on_step_end`` (which fires at the end of the backward, before
     ``optimizer.step()``) reads each captured layer's ``(exp_avg, exp_avg_sq)``
-    on its captured coordinates into ``pre[step]``; the user calls
-    :meth:`record_post` after ``optimizer.step()`` for the same read into
-    ``post[step]``. With ``snapshots`` the entries go to
-    ``snapshots.save_dynamics`` instead of memory.
+    (and ``max_exp_avg_sq`` under ``amsgrad``) on its captured coordinates into
+    ``pre[step]``; after each ``optimizer.step()`` the same read goes into
+    ``post[step]`` of the window's last capture step, automatically (a global
+    optimizer step hook, as :class:`TrainingDynamicsCallback` records the
+    update itself). Calling :meth:`record_post` after ``optimizer.step()``
+    (the protocol of earlier versions) reads the same values again. With
+    ``snapshots`` the entries go to ``snapshots.save_dynamics`` instead of
+    memory.
 
     Args:
         model: the trained model (as the optimizer sees it; wrapped or not).
@@ -88,6 +104,9 @@ class OptimizerStateCallback(HookManagerCallback):
             must match the hook manager's config: ``None`` means all coordinates.
         layers: record only these layer names (default: every layer of the record).
         snapshots: a :class:`TrajectorySnapshots` store to write the entries to.
+        grad_scaler: the loop's ``GradScaler`` (see :class:`TrainingDynamicsCallback`).
+        gradient_accumulation_steps: what the loop divides each micro-batch loss
+            by (see :class:`TrainingDynamicsCallback`).
     """
 
     def __init__(
@@ -98,19 +117,23 @@ class OptimizerStateCallback(HookManagerCallback):
         projection_kwargs: dict[str, dict] | None = None,
         layers: Iterable[str] | None = None,
         snapshots: TrajectorySnapshots | None = None,
+        grad_scaler: Any = None,
+        gradient_accumulation_steps: int | None = None,
     ) -> None:
-        self.model = model
-        self._optimizer = optimizer
-        self.projection_kwargs = projection_kwargs
-        self.layers = None if layers is None else frozenset(layers)
+        super().__init__(
+            model,
+            optimizer,
+            projection_kwargs=projection_kwargs,
+            layers=layers,
+            grad_scaler=grad_scaler,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
         self.snapshots = snapshots
         self.pre: dict[int, dict] = {}
         self.post: dict[int, dict] = {}
-        self._snapshot: OptimizerSnapshot | None = None
         self._projector = DattriProjector()
         self._coordinates: dict[str, torch.Tensor | None] = {}
         self._layers_at: dict[int, list[str]] = {}
-        self._warned_mixed = False
 
     @property
     def snapshot(self) -> OptimizerSnapshot:
@@ -120,7 +143,7 @@ class OptimizerStateCallback(HookManagerCallback):
             NotImplementedError: the optimizer is not an ``Adam`` / ``AdamW``.
         """
         if self._snapshot is None:
-            snapshot = OptimizerSnapshot(self.model, self._optimizer)
+            snapshot = OptimizerSnapshot(self.model, lambda: self.optimizer)
             kind = snapshot.optimizer_type
             if kind not in _SUPPORTED_OPTIMIZERS:
                 raise NotImplementedError(
@@ -154,6 +177,21 @@ class OptimizerStateCallback(HookManagerCallback):
 
     # ---- hooks
 
+    def on_layer_forward(
+        self,
+        layer_name: str,
+        activation: torch.Tensor,
+        layer_type: str,
+        module_kwargs: dict | None,
+    ) -> None:
+        """Bind the layer while FSDP holds it unsharded (its forward); no-op otherwise.
+
+        The forward is the reliable place: FSDP1 may run a root unit's first
+        backward hook before it re-exposes the unsharded parameters.
+        """
+        if self._wanted(layer_name):
+            self.snapshot.bind(layer_name)
+
     def on_layer_backward(
         self,
         layer_name: str,
@@ -166,7 +204,9 @@ class OptimizerStateCallback(HookManagerCallback):
             self.snapshot.bind(layer_name)
 
     def on_step_end(self, record: GradientRecord) -> None:
-        """Read the pre-update moments of the record's layers into ``pre[record.step]``."""
+        """Add the backward to the update's window; read the pre-update moments of the record's
+        layers into ``pre[record.step]``."""
+        super().on_step_end(record)
         names = [
             name
             for name, layer_type in record.gradient.layer_types.items()
@@ -175,10 +215,16 @@ class OptimizerStateCallback(HookManagerCallback):
         self._layers_at[record.step] = names
         self._save(record.step, "pre", self._read(names))
 
+    def on_update(self, step: int, update: dict) -> None:
+        """After ``optimizer.step()``: the post-update read of the window's last capture step."""
+        self.record_post(step)
+
     def record_post(self, step: int) -> None:
         """Read the post-update moments of the layers seen at ``step`` into ``post[step]``.
 
-        Call it after ``optimizer.step()``. ``KeyError`` if ``step`` has no pre entry.
+        Runs automatically after each ``optimizer.step()``; calling it again
+        after the step reads the same values. ``KeyError`` if ``step`` has no
+        pre entry.
         """
         names = self._layers_at.get(step)
         if names is None:
@@ -190,7 +236,10 @@ class OptimizerStateCallback(HookManagerCallback):
                     "the step of the capture record after that step's optimizer.step()."
                 )
             names = list(pre["moments"])
-        self._save(step, "post", self._read(names))
+        entry = self._read(names)
+        if step in self.updates:
+            entry.update(update=self.updates[step], layers=self.layer_map)
+        self._save(step, "post", entry)
 
     def dynamics(self) -> Mapping[int, dict]:
         """``{step: assemble_dynamics(pre, post)}`` for every step having both sides.
@@ -222,38 +271,32 @@ class OptimizerStateCallback(HookManagerCallback):
             base = base_layer_name(name)
             key = (base, self._include_bias(name))
             if key not in by_module:
+                amsgrad = bool(self.snapshot.group(name).get("amsgrad", False))
+                keys = (*_MOMENT_KEYS, _AMSGRAD_KEY) if amsgrad else _MOMENT_KEYS
                 layer = self.snapshot.read(
                     name,
-                    _MOMENT_KEYS,
+                    keys,
                     coordinates=self.coordinates(name),
                     include_bias=key[1],
                     zeros_for_missing=True,
                 )
-                by_module[key] = (layer.state["exp_avg"], layer.state["exp_avg_sq"])
+                by_module[key] = tuple(layer.state[k] for k in keys)
                 values[name] = _group_values(layer)
             moments[name] = by_module[key]
         return {"moments": moments, **self._common(values)}
 
     def _common(self, values: dict[str, dict]) -> dict:
-        """The entry's step / hyperparameters: the first layer's (warns once if layers differ)."""
+        """The entry's scalar step / hyperparameters: the first layer's weight group's.
+
+        Every group's own values are in the update record (``"update"``).
+        """
         if not values:  # every layer of the record filtered out: the first group's values
             group = self.snapshot.optimizer.param_groups[0]
             state = self.snapshot.optimizer.state.get(group["params"][0], {})
             return _group_values(
                 LayerOptimizerState({}, int(state.get("step", 0)), group, float(group["lr"]))
             )
-        first_name, first = next(iter(values.items()))
-        differing = sorted(n for n, v in values.items() if v != first)
-        if differing and not self._warned_mixed:
-            self._warned_mixed = True
-            warnings.warn(
-                f"OptimizerStateCallback: layers {differing} have a different step count or "
-                f"param-group hyperparameters than {first_name!r}; the dynamics record one value "
-                f"of {_GROUP_KEYS} per step, taken from {first_name!r}.",
-                UserWarning,
-                stacklevel=3,
-            )
-        return first
+        return next(iter(values.values()))
 
     def _save(self, step: int, side: str, entry: dict) -> None:
         if self.snapshots is not None:

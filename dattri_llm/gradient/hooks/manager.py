@@ -72,7 +72,7 @@ from dattri_llm.gradient.optimizer_state import (
 )
 from dattri_llm.utils.autograd import queue_backward_end_callback
 from dattri_llm.utils.distributed import all_reduce_sum, dist_world_size
-from dattri_llm.utils.hashing import hash_batch
+from dattri_llm.utils.hashing import hash_batch, occurrence_ids
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.callbacks.base import HookManagerCallback
@@ -194,7 +194,10 @@ class HookManager:
     ``step = state["step"] + 1`` and the group hyperparameters. ``param_grad``
     layers and ``"logra"`` projections are refused (``ValueError``) and the
     capture style is ignored (captures are dense). :attr:`precondition`
-    switches the map per pass. Single process (DDP / FSDP are not covered yet).
+    switches the map per pass; :meth:`set_loss_convention` makes it map each
+    sample's own gradient rather than its share of a mean or accumulated loss.
+    Works under DDP, FSDP1 (``use_orig_params=True``) and FSDP2, each rank
+    reading its own shard's state (``docs/distributed.md``).
     """
 
     def __init__(
@@ -298,6 +301,45 @@ class HookManager:
                 )
             return
         self._preconditioner.enabled = bool(value)
+
+    def set_loss_convention(
+        self, loss_reduction: str | None, gradient_accumulation_steps: int = 1
+    ) -> None:
+        """How the loss splits into per-sample shares, for preconditioned capture.
+
+        A hook captures each sample's *share* of the backpropagated loss. The
+        optimizer map of preconditioned capture is not linear, so a method
+        that maps each sample's *own* gradient (LESS's update direction) says
+        how to recover it: ``loss_reduction="mean"`` (each micro-batch loss is
+        the mean over its ``B`` rows) or ``"sum"``, and the loss divisor
+        ``gradient_accumulation_steps`` the loop divides each micro-batch loss
+        by. The map then sees ``share · (B if mean else 1) · divisor``.
+        ``None`` (the default) maps the shares as captured.
+
+        Raises:
+            ValueError: another reduction, a divisor below 1, or a manager
+                without an optimizer.
+        """
+        if loss_reduction not in (None, "mean", "sum"):
+            raise ValueError(
+                f"loss_reduction must be one of [None, 'mean', 'sum'], got {loss_reduction!r}"
+            )
+        if (
+            isinstance(gradient_accumulation_steps, bool)
+            or not isinstance(gradient_accumulation_steps, int)
+            or gradient_accumulation_steps < 1
+        ):
+            raise ValueError(
+                "gradient_accumulation_steps must be an int >= 1, got "
+                f"{gradient_accumulation_steps!r}"
+            )
+        if self._preconditioner is None:
+            raise ValueError(
+                "set_loss_convention applies to preconditioned capture; build the HookManager "
+                "with optimizer=..."
+            )
+        self._preconditioner.loss_reduction = loss_reduction
+        self._preconditioner.loss_divisor = gradient_accumulation_steps
 
     # ------------------------------------------------------------------ registration
 
@@ -846,6 +888,11 @@ class HookManager:
                 )
 
     def _identifiers(self, gradient: Gradient) -> list[str]:
+        """The step's per-sample identifiers in batch order, one per occurrence.
+
+        Content hashes (or ``sample_id_key`` values) repeated within the step
+        get ``#k`` suffixes (`occurrence_ids`), so every row keeps its own id.
+        """
         try:
             batch_size: int | None = gradient.batch_size
         except ValueError:
@@ -863,7 +910,7 @@ class HookManager:
                     f"sample_id_key {self._sample_id_key!r} holds {len(values)} values but the "
                     f"step batch size is {batch_size}; pass one identifier per sample."
                 )
-            return values
+            return occurrence_ids(values)
         inputs = self._state.inputs or {}
         if self._sample_hash_fields is not None:
             for key in self._sample_hash_fields:
@@ -884,7 +931,7 @@ class HookManager:
                 (n for v, n in zip(inputs.values(), lengths) if isinstance(v, torch.Tensor) and n),
                 batch_size,
             )
-        return hash_batch(inputs, batch_size)
+        return occurrence_ids(hash_batch(inputs, batch_size))
 
 
 def _optimizer_snapshot(

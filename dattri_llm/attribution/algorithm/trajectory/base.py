@@ -1,25 +1,44 @@
-"""Shared base of the trajectory methods (DVEmb, AdamW-influence).
+"""Shared base of the trajectory methods (trajectory TracIn, DVEmb, AdamW-influence).
 
 A trajectory method trains once from checkpoint 0 and scores every training
 step ``t`` of that run against queries taken at the final parameters ``θ_T``.
 :class:`TrajectoryAttributor` collects the run (per-step gradients into a
 store, or, with ``args.recompute_gradients``, per-step parameter snapshots
-from which a ``ReplayGradientSource`` recomputes them) together with its
-learning-rate schedule, and offers the helpers the sweeps share: step
-resolution, source opening and closing, query matrices. Rows are emitted
-latest step first.
+from which a ``ReplayGradientSource`` recomputes them) together with what
+each update applied (``training_dynamics.json``: accumulation windows, clip
+coefficients, loss scales, every parameter group's hyperparameters) and its
+learning-rate schedule (``lr_schedule.json``), and runs the one backward
+sweep the methods share (:meth:`score_run`, :mod:`.sweep`): a method supplies
+only its :class:`~.sweep.Fold`. Rows are emitted latest step first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from dattri_llm.attribution import utils as attribution_utils
-from dattri_llm.attribution.base import BaseInnerProductAttributor, _check_dataset, fresh_store
+from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
+from dattri_llm.attribution.algorithm.trajectory.sweep import (
+    LOSS_REDUCTIONS,
+    PROPAGATIONS,
+    Emission,
+    Fold,
+    SweepResult,
+    TrajectorySweep,
+    swept_windows,
+)
+from dattri_llm.attribution.base import (
+    BaseInnerProductAttributor,
+    _check_dataset,
+    _require_records,
+    fresh_store,
+)
+from dattri_llm.gradient.callbacks.training_dynamics_callback import load_training_dynamics
 from dattri_llm.gradient.datasets import DiskGradientSource
 from dattri_llm.gradient.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
@@ -32,11 +51,52 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.hooks.config import HookManagerConfig
     from dattri_llm.gradient.streaming import GradientSource, GradientStreamer
 
-PROPAGATIONS = ("train", "test")
-LOSS_REDUCTIONS = ("mean", "sum")
+__all__ = [
+    "LOSS_REDUCTIONS",
+    "PROPAGATIONS",
+    "TEST_GRADS_DIR",
+    "TRAIN_GRADS_DIR",
+    "TRAIN_SNAPSHOTS_DIR",
+    "RunScope",
+    "TrajectoryAttributor",
+]
+
 TRAIN_GRADS_DIR = "train_grads"
 TRAIN_SNAPSHOTS_DIR = "train_snapshots"
 TEST_GRADS_DIR = "test_grads"
+
+
+@dataclass
+class RunScope:
+    """What one scoring call sweeps.
+
+    Attributes:
+        run: the recorded dynamics.
+        windows: the propagated updates (store steps before ``final_step``), ascending.
+        swept: those the sweep reads: from the earliest holding an output step
+            to the last (earlier ones change no score), ascending.
+        output_steps: the store steps whose rows are emitted, latest first.
+        final_step: the step the queries were taken at.
+    """
+
+    run: RunDynamics
+    windows: list[Window]
+    swept: list[Window]
+    output_steps: list[int]
+    final_step: int
+
+    def recorded_rates(self) -> dict[int, float | str]:
+        """``{update key: recorded lr}`` of the swept updates (``"per_group"`` if groups differ)."""
+        rates = {}
+        for window in self.swept:
+            value = self.run.uniform(window, "lr")
+            rates[window.key] = "per_group" if value is None else value
+        return rates
+
+    @property
+    def swept_steps(self) -> list[int]:
+        """Store steps of the swept updates, latest first."""
+        return sorted((s for window in self.swept for s in window.steps), reverse=True)
 
 
 class TrajectoryAttributor(BaseInnerProductAttributor):
@@ -127,6 +187,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         streamer = self.generate_train_rep(
             train_dataset, enable_update=True, hook_config=hook_config, snapshots=snapshots
         )
+        recorder = self.attach_dynamics_recorder(streamer, snapshots)
         for callback in self.trajectory_callbacks(streamer.model, streamer, snapshots):
             streamer.hook_manager.add_callback(callback)
         self._hooked_layers = list(streamer.hook_manager.layer_names)
@@ -140,6 +201,9 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
                 )
             else:
                 _run_without_storing(streamer, self.on_trajectory_block)
+            directory = self.train_dir_of(train_target)
+            if directory is not None and self.args.should_log:
+                recorder.save(directory)
             self.finish_trajectory(train_target)
         finally:
             self._forget_loaded_checkpoint(True)
@@ -257,7 +321,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         self, train_source: object, test_store: GradientStorageManager
     ) -> dict[str, Any]:
         """``{"train_source": "gradients" | "snapshots", "sample_id_key": {train, test}}``."""
-        replay = _as_snapshots(train_source) is not None or hasattr(train_source, "snapshots")
+        replay = self.is_replay(train_source)
         train_key = None if replay else self.resolve_store(train_source).sample_id_key
         return {
             "train_source": "snapshots" if replay else "gradients",
@@ -271,6 +335,171 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         from tqdm.auto import tqdm
 
         return tqdm(steps, desc=desc or f"{self.algorithm} steps", unit="step")
+
+    # ------------------------------------------------------------------ the shared sweep
+    def run_scope(
+        self,
+        train_source: object,
+        *,
+        selected_training_steps: Iterable[int] | None = None,
+        final_step: int | None = None,
+        entries: Mapping[int, Mapping[str, Any]] | None = None,
+    ) -> RunScope:
+        """The updates a scoring call sweeps, from the run's records (see :class:`RunScope`).
+
+        ``entries``: per-update records a method keeps itself (AdamW moments),
+        read for their update records when no ``training_dynamics.json`` lies
+        beside the run.
+
+        Raises:
+            ValueError: see :meth:`resolve_steps`; no update holds an output step.
+        """
+        prop_steps, output_steps, final_step = self.resolve_steps(
+            self.available_steps(train_source), selected_training_steps, final_step
+        )
+        directory = self.train_dir_of(train_source)
+        recorded = None if directory is None else load_training_dynamics(directory)
+        run = RunDynamics.from_records(
+            recorded, entries=entries, merged=self._merged_windows(train_source)
+        )
+        windows = run.windows(prop_steps)
+        swept = swept_windows(windows, set(output_steps))
+        if not swept:
+            raise ValueError(
+                f"none of the output steps {sorted(output_steps)} belongs to a recorded "
+                "optimizer update; nothing to score"
+            )
+        return RunScope(run, windows, swept, output_steps, final_step)
+
+    @staticmethod
+    def is_replay(train_source: object) -> bool:
+        """Whether ``train_source`` is a snapshot store (or its directory, or a replay)."""
+        return _as_snapshots(train_source) is not None or hasattr(train_source, "snapshots")
+
+    def _merged_windows(self, train_source: object) -> bool:
+        """Whether a gradient store holds one merged record per optimizer update."""
+        if self.is_replay(train_source):
+            return False
+        return self.resolve_store(train_source).gradient_accumulation_steps > 1
+
+    def score_run(
+        self,
+        train_source: object,
+        test_source: object,
+        fold: Fold,
+        scope: RunScope,
+        *,
+        layer_name: str | list[str] | None = None,
+        hook_config: HookManagerConfig | None = None,
+        loss_reduction: str = "mean",
+        propagation: str = "test",
+        loop_over_test: bool = False,
+        block_dtype: torch.dtype = torch.float32,
+        learning_rates: Mapping[int, float] | None = None,
+        groups: Callable[[dict[str, int]], list[torch.Tensor | None]] | None = None,
+        entries: Mapping[int, Mapping[str, Any]] | None = None,
+        on_emission: Callable[[Emission], None] | None = None,
+        verbose: bool = False,
+    ) -> tuple[SweepResult, list[str]]:
+        """Sweep ``scope`` with ``fold`` against the queries; ``(result, test_ids)``.
+
+        ``loop_over_test`` sweeps once per query block (query side only); a
+        query repeated across blocks keeps its last block's column.
+
+        Raises:
+            ValueError: an empty test source; see :class:`TrajectorySweep`.
+        """
+        self.validate_propagation(propagation, loop_over_test)
+        layers = attribution_utils.normalize_layer_names(layer_name)
+        sweep = TrajectorySweep(
+            fold,
+            scope.run,
+            device=torch.device(self.args.device),
+            dtype=block_dtype,
+            loss_reduction=loss_reduction,
+            learning_rates=learning_rates,
+            groups=groups,
+            progress=self._progress(verbose),
+        )
+        source = self.open_train_source(
+            train_source, steps=scope.swept_steps, layer_name=layers, hook_config=hook_config
+        )
+        emitted = set(scope.output_steps)
+        try:
+            test = self.load_test_rep(test_source, layer_name=layers)
+            if not loop_over_test:
+                test_ids, queries = self.collect_test_matrix(test, dtype=block_dtype)
+                result = sweep.sweep(
+                    source,
+                    scope.swept,
+                    emitted,
+                    queries,
+                    propagation=propagation,
+                    entries=entries,
+                    on_emission=on_emission,
+                )
+                return result, test_ids
+            columns: dict[str, torch.Tensor] = {}
+            result = None
+            for item in test:
+                ids, queries = self.collect_test_matrix([item], dtype=block_dtype)
+                result = sweep.sweep(
+                    source, scope.swept, emitted, queries, propagation=propagation, entries=entries
+                )
+                for position, sample in enumerate(ids):
+                    columns[sample] = result.scores[:, position]
+            if result is None:
+                raise ValueError("the test set is empty: the test source yielded no block")
+            result.scores = torch.stack(list(columns.values()), dim=1)
+            return result, list(columns)
+        finally:
+            self.close_source(source)
+
+    def run_meta(
+        self,
+        train_source: object,
+        test_source: object,
+        scope: RunScope,
+        *,
+        selected_training_steps: Iterable[int] | None,
+        loss_reduction: str,
+        propagation: str,
+        loop_over_test: bool,
+        block_dtype: torch.dtype,
+    ) -> dict[str, Any]:
+        """The ``algorithm_meta`` every trajectory method records."""
+        clipped = {w.key: w.clip_coef for w in scope.swept if w.clipped}
+        return {
+            "final_step": scope.final_step,
+            "selected_training_steps": (
+                None if selected_training_steps is None else sorted(scope.output_steps)
+            ),
+            "propagated_steps": scope.swept_steps,
+            "loss_reduction": loss_reduction,
+            "propagation": propagation,
+            "loop_over_test": loop_over_test,
+            "block_dtype": str(block_dtype),
+            "dynamics": "recorded" if scope.run.recorded else "unrecorded",
+            "clip_coefficients": clipped,
+            **self.source_meta(train_source, self.resolve_store(test_source)),
+        }
+
+    def _progress(self, verbose: bool) -> Callable[[list[Window]], Iterable[Window]]:
+        def bar(windows: list[Window]) -> Iterable[Window]:
+            if not (verbose and self.args.should_log):
+                return windows
+            from tqdm.auto import tqdm
+
+            return tqdm(windows, desc=f"{self.algorithm} updates", unit="update")
+
+        return bar
+
+    @staticmethod
+    def require_test_records(test_source: object) -> GradientStorageManager:
+        """The test store; ``ValueError`` when it holds no records."""
+        store = BaseInnerProductAttributor.resolve_store(test_source)
+        _require_records(store, "test")
+        return store
 
     # ------------------------------------------------------------------ queries
     @staticmethod

@@ -1,0 +1,37 @@
+"""The trajectory methods' shared machinery: collection, recorded dynamics, the one sweep.
+
+* :mod:`.base`: :class:`TrajectoryAttributor`, the base of every trajectory
+  method (collecting a run, opening its sources, the shared scoring flow);
+* :mod:`.run`: :class:`RunDynamics` / :class:`Window`, what each recorded
+  optimizer update applied (windows, clip, loss scale, per-coordinate values);
+* :mod:`.sweep`: :class:`TrajectorySweep`, the backward sweep over the
+  updates, and the :class:`Fold` interface a method fills in;
+* :mod:`.folds`: the folds of trajectory TracIn, DVEmb and AdamW-influence.
+"""
+
+from dattri_llm.attribution.algorithm.trajectory.base import (
+    LOSS_REDUCTIONS,
+    PROPAGATIONS,
+    TEST_GRADS_DIR,
+    TRAIN_GRADS_DIR,
+    TRAIN_SNAPSHOTS_DIR,
+    RunScope,
+    TrajectoryAttributor,
+)
+from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
+from dattri_llm.attribution.algorithm.trajectory.sweep import Fold, TrajectorySweep, WindowRows
+
+__all__ = [
+    "LOSS_REDUCTIONS",
+    "PROPAGATIONS",
+    "TEST_GRADS_DIR",
+    "TRAIN_GRADS_DIR",
+    "TRAIN_SNAPSHOTS_DIR",
+    "Fold",
+    "RunDynamics",
+    "RunScope",
+    "TrajectoryAttributor",
+    "TrajectorySweep",
+    "Window",
+    "WindowRows",
+]

@@ -1,0 +1,580 @@
+"""The trajectory methods in the settings people train with, against a run written out by hand.
+
+Every run trains an MLP with biases (every parameter captured) from a hand-written
+loop, a ``GradientStreamer`` or a Hugging Face ``Trainer``, with gradient clipping
+active on most steps, parameter groups (no-decay biases, per-layer learning rates),
+Adam (coupled L2) or AdamW, ``amsgrad``, gradient accumulation, mean and sum losses
+and a ``GradScaler``. ``tests/trajectory_reference.py`` replays each run by hand
+(checking that the replay reproduces the recorded parameters) and gives every
+method's scores from the maths; the attributors' rows must match them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from trajectory_reference import HandLoop, Reference
+
+from dattri_llm import (
+    AttributionArguments,
+    GradientStorageManager,
+    HookManager,
+    HookManagerConfig,
+    OffloadCallback,
+)
+from dattri_llm.attribution.algorithm.adamw_influence import AdamWInfluenceAttributor
+from dattri_llm.attribution.algorithm.dvemb import DVEmbAttributor
+from dattri_llm.gradient.callbacks import OptimizerStateCallback
+
+LAYERS = ("fc1", "fc2")
+
+
+class MLP(nn.Module):
+    """Two linear layers with biases; inputs ``(B, 4)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 5)
+        self.fc2 = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def sample_loss(call, sample):
+    """One sample's loss ``ℓ``."""
+    return ((call(sample["x"]) - sample["y"]) ** 2).sum()
+
+
+def batch_loss(reduction):
+    def loss(model, batch):
+        per_sample = ((model(batch["x"]) - batch["y"]) ** 2).sum(1)
+        return per_sample.mean() if reduction == "mean" else per_sample.sum()
+
+    return loss
+
+
+def data(n: int, seed: int, scale: float = 3.0) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=gen)
+    y = scale * torch.randn(n, 3, generator=gen)
+    return [{"x": x[i], "y": y[i]} for i in range(n)]
+
+
+def stack(samples: list[dict]) -> dict:
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
+def windows_of(samples, batch, accumulation):
+    micro = [stack(samples[i : i + batch]) for i in range(0, len(samples), batch)]
+    return [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
+
+
+def groups(model, kind: str, lr: float):
+    """Parameter groups: ``"one"`` (everything decayed), ``"two"`` (no-decay biases), ``"three"``
+    (no-decay biases, ``fc2`` weight at twice the rate with its own decay)."""
+    weights = [model.fc1.weight, model.fc2.weight]
+    biases = [model.fc1.bias, model.fc2.bias]
+    if kind == "one":
+        return [{"params": weights + biases, "weight_decay": 0.1}]
+    if kind == "two":
+        return [
+            {"params": weights, "weight_decay": 0.1},
+            {"params": biases, "weight_decay": 0.0},
+        ]
+    return [
+        {"params": [model.fc1.weight], "weight_decay": 0.1},
+        {"params": [model.fc2.weight], "weight_decay": 0.05, "lr": 2 * lr},
+        {"params": biases, "weight_decay": 0.0},
+    ]
+
+
+def scores_by_step(score):
+    """``{step: (ids, (B, n_test) float64)}``."""
+    return {step: (ids, m.double()) for step, (ids, m) in score.step_matrices().items()}
+
+
+def assert_rows(score, expected_blocks, rtol=2e-4):
+    """Score rows per step (ascending) against the reference's per-micro-batch blocks."""
+    by_step = scores_by_step(score)
+    assert len(by_step) == len(expected_blocks)
+    scale = max(float(b.abs().max()) for b in expected_blocks)
+    for (step, (_ids, got)), want in zip(sorted(by_step.items()), expected_blocks, strict=True):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * scale, msg=f"step {step}")
+
+
+def capture_hand_loop(
+    tmp_path,
+    *,
+    optimizer_fn,
+    reduction="sum",
+    accumulation=1,
+    max_norm=1.0,
+    scaler=None,
+    n=8,
+    batch=2,
+    lr=0.05,
+    seed=0,
+):
+    """Train with a hand loop under a HookManager; returns (model, store dir, query dir, run,
+    callback, test batch)."""
+    torch.manual_seed(seed)
+    model = MLP()
+    optimizer = optimizer_fn(model, lr)
+    train, test = data(n, 1), data(3, 2)
+    store = GradientStorageManager(tmp_path / "train")
+    state = OptimizerStateCallback(
+        model, optimizer, grad_scaler=scaler, gradient_accumulation_steps=accumulation
+    )
+    config = HookManagerConfig(linear_io=list(LAYERS))
+    hm = HookManager(model, config=config, callbacks=[OffloadCallback(1, store), state])
+    loop = HandLoop(
+        model, optimizer, batch_loss(reduction), accumulation, max_norm, scaler, reduction
+    )
+    with hm.collect():
+        run = loop.run(windows_of(train, batch, accumulation))
+    hm.remove()
+    state.save(tmp_path / "train")
+    queries = GradientStorageManager(tmp_path / "test")
+    qhm = HookManager(model, config=config, callbacks=[OffloadCallback(1, queries)])
+    test_batch = stack(test)
+    with qhm.collect():
+        model.zero_grad()
+        batch_loss("sum")(model, test_batch).backward()
+    qhm.remove()
+    return model, tmp_path / "train", tmp_path / "test", run, state, test_batch
+
+
+def adamw(**kwargs):
+    return lambda model, lr: torch.optim.AdamW(groups(model, "three", lr), lr=lr, **kwargs)
+
+
+def adam(**kwargs):
+    return lambda model, lr: torch.optim.Adam(groups(model, "three", lr), lr=lr, **kwargs)
+
+
+def args_for(tmp_path, **kwargs):
+    return AttributionArguments(output_dir=str(tmp_path / "out"), use_cpu=True, **kwargs)
+
+
+# ---------------------------------------------------------------------------- AdamW-influence
+@pytest.mark.parametrize(
+    "name, optimizer_fn, reduction, accumulation",
+    [
+        ("adamw-sum", adamw(), "sum", 1),
+        ("adamw-mean", adamw(), "mean", 1),
+        ("adam-l2", adam(weight_decay=0.1), "sum", 1),
+        ("amsgrad", adamw(amsgrad=True), "sum", 1),
+        ("foreach", adamw(foreach=True), "mean", 1),
+        ("fused", adamw(fused=True), "sum", 1),
+        ("accumulate-2", adamw(), "mean", 2),
+        ("accumulate-3", adamw(), "sum", 3),
+    ],
+)
+@pytest.mark.parametrize("propagation", ["test", "train"])
+def test_adamw_influence_hand_loop(
+    tmp_path, name, optimizer_fn, reduction, accumulation, propagation
+):
+    model, train, test, run, state, queries = capture_hand_loop(
+        tmp_path,
+        optimizer_fn=optimizer_fn,
+        reduction=reduction,
+        accumulation=accumulation,
+        n=12,
+    )
+    reference = Reference(model, sample_loss, run, queries)
+    clipped = [reference.clip_coef(t) < 1 for t in range(len(run.updates))]
+    assert sum(clipped) >= len(clipped) // 2, "the clip must be active on most updates"
+    attributor = AdamWInfluenceAttributor(args_for(tmp_path))
+    score = attributor.attribute_from_cache(
+        train, test, dynamics=state.dynamics(), loss_reduction=reduction, propagation=propagation
+    )
+    assert score.polarity == -1
+    assert_rows(score, reference.split(reference.adamw()))
+
+
+def test_adamw_influence_hand_loop_with_a_grad_scaler(tmp_path):
+    """Loss-scaled backwards (the stored rows carry the scale) and clipping after ``unscale_``."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    model, train, test, run, state, queries = capture_hand_loop(
+        tmp_path, optimizer_fn=adamw(), reduction="mean", scaler=scaler, n=12
+    )
+    reference = Reference(model, sample_loss, run, queries)
+    assert any(u["row_scale"] > 1024 for u in state.updates.values())  # the scale grew
+    attributor = AdamWInfluenceAttributor(args_for(tmp_path))
+    score = attributor.attribute_from_cache(
+        train, test, dynamics=state.dynamics(), loss_reduction="mean", propagation="test"
+    )
+    assert_rows(score, reference.split(reference.adamw()))
+
+
+# ---------------------------------------------------------------------------- the streamer
+def streamer_run(tmp_path, *, reduction, accumulation, recompute, warmup=0, n=12, lr=0.05):
+    """A ``GradientStreamer`` trajectory (through the attributor's ``cache``): clip 1.0, weight
+    decay 0.1 on weights, none on biases, linear decay after ``warmup`` windows."""
+    torch.manual_seed(0)
+    model = MLP()
+    args = AttributionArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=3,
+        learning_rate=lr,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        gradient_accumulation_steps=accumulation,
+        warmup_steps=warmup,
+        recompute_gradients=recompute,
+    )
+    from dattri_llm import AttributionTask
+
+    task = AttributionTask(batch_loss(reduction), model, target_func=batch_loss("sum"))
+    attributor = AdamWInfluenceAttributor(args, task=task)
+    train, test = data(n, 1), data(3, 2)
+    config = HookManagerConfig(linear_io=list(LAYERS))
+    ((train_dir, test_dir),) = attributor.cache(
+        train,
+        test,
+        cache_dir=str(tmp_path / ("snaps" if recompute else "grads")),
+        hook_config=config,
+    )
+    return attributor, model, train_dir, test_dir, stack(test), config
+
+
+def streamer_reference(snap_dir, model, queries, *, reduction, accumulation, lr, warmup=0):
+    """The run a ``GradientStreamer`` made, from its snapshots, for :class:`Reference`."""
+    from trajectory_reference import Run, Update
+
+    from dattri_llm.gradient.snapshots import TrajectorySnapshots
+
+    snapshots = TrajectorySnapshots(snap_dir)
+    steps = snapshots.steps()
+    names = [n for n, _ in model.named_parameters()]
+    windows = [steps[i : i + accumulation] for i in range(0, len(steps), accumulation)]
+    total = len(windows)
+    probe = MLP()
+    updates = []
+    for k, window in enumerate(windows):
+        snapshots.load_parameters(window[0], probe)
+        theta = {n: p.detach().double().clone() for n, p in probe.named_parameters()}
+        rate = lr * k / warmup if k < warmup else lr * (total - k) / (total - warmup)
+        hyper = {
+            name: {
+                "lr": rate,
+                "wd": 0.0 if name.endswith("bias") else 0.1,
+                "beta1": 0.9,
+                "beta2": 0.999,
+                "eps": 1e-8,
+                "amsgrad": False,
+                "decoupled": True,
+                "step": k + 1,
+            }
+            for name in names
+        }
+        micro = [snapshots.load_batch(step) for step in window]
+        updates.append(Update(theta, micro, hyper))
+    final = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    run = Run(updates, final, names, accumulation, reduction, 1.0)
+    return Reference(model, sample_loss, run, queries)
+
+
+@pytest.mark.parametrize("reduction, accumulation", [("sum", 1), ("mean", 2), ("mean", 3)])
+def test_adamw_influence_streamer_run(tmp_path, reduction, accumulation):
+    lr = 0.05
+    attributor, model, snap_dir, test_dir, queries, config = streamer_run(
+        tmp_path, reduction=reduction, accumulation=accumulation, recompute=True, warmup=1
+    )
+    reference = streamer_reference(
+        snap_dir, model, queries, reduction=reduction, accumulation=accumulation, lr=lr, warmup=1
+    )
+    assert sum(reference.clip_coef(t) < 1 for t in range(len(reference.run.updates))) >= 2
+    expected = reference.split(reference.adamw())
+    store_run = streamer_run(
+        tmp_path, reduction=reduction, accumulation=accumulation, recompute=False, warmup=1
+    )
+    for source, test in ((snap_dir, test_dir), (store_run[2], store_run[3])):
+        for propagation in ("test", "train"):
+            score = attributor.attribute_from_cache(
+                source,
+                test,
+                loss_reduction=reduction,
+                propagation=propagation,
+                hook_config=config,
+            )
+            assert_rows(score, expected)
+
+
+# ---------------------------------------------------------------------------- HF Trainer
+class Regressor(nn.Module):
+    """The MLP as a Hugging Face ``Trainer`` model: ``forward(x, y) -> {"loss": mean}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        return {"loss": ((self.mlp(x) - y) ** 2).sum(1).mean()}
+
+
+def regressor_sample_loss(call, sample):
+    return call(x=sample["x"], y=sample["y"])["loss"]
+
+
+@pytest.mark.slow
+def test_adamw_influence_hf_trainer_defaults(tmp_path):
+    """An unmodified ``Trainer`` with its defaults (fused AdamW, clip 1.0, linear decay, no-decay
+    biases), weight decay 0.1, accumulation 2, the capture opened around ``trainer.train()``."""
+    transformers = pytest.importorskip("transformers")
+    from trajectory_reference import Run, Update
+
+    torch.manual_seed(0)
+    model = Regressor()
+    names = [n for n, _ in model.named_parameters()]
+    layers = ["mlp.fc1", "mlp.fc2"]
+    store = GradientStorageManager(tmp_path / "train")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1,
+        learning_rate=0.05,
+        weight_decay=0.1,
+        seed=0,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data(12, 1))
+    state = OptimizerStateCallback(model, lambda: trainer.optimizer, gradient_accumulation_steps=2)
+    hm = HookManager(
+        model,
+        config=HookManagerConfig(linear_io=layers),
+        callbacks=[OffloadCallback(1, store), state],
+    )
+    seen: list[tuple[dict, dict]] = []  # (parameters, batch) of every micro-batch
+
+    def record(module, args_, kwargs):
+        if module.training and torch.is_grad_enabled():
+            params = {n: p.detach().double().clone() for n, p in module.named_parameters()}
+            seen.append((params, {k: v.detach().clone() for k, v in kwargs.items()}))
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    with hm.collect(deregister_on_exit=True):
+        trainer.train()
+    handle.remove()
+    state.save(tmp_path / "train")
+    windows = [seen[i : i + 2] for i in range(0, len(seen), 2)]
+    total = len(windows)
+    updates = []
+    for k, window in enumerate(windows):
+        rate = 0.05 * (total - k) / total
+        hyper = {
+            name: {
+                "lr": rate,
+                "wd": 0.0 if name.endswith("bias") else 0.1,
+                "beta1": 0.9,
+                "beta2": 0.999,
+                "eps": 1e-8,
+                "amsgrad": False,
+                "decoupled": True,
+                "step": k + 1,
+            }
+            for name in names
+        }
+        updates.append(Update(window[0][0], [batch for _, batch in window], hyper))
+    final = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    test_batch = stack(data(3, 2))
+    reference = Reference(
+        model, regressor_sample_loss, Run(updates, final, names, 2, "mean", 1.0), test_batch
+    )
+    assert sum(reference.clip_coef(t) < 1 for t in range(total)) >= total // 2
+    queries = GradientStorageManager(tmp_path / "test")
+    qhm = HookManager(
+        model, config=HookManagerConfig(linear_io=layers), callbacks=[OffloadCallback(1, queries)]
+    )
+    with qhm.collect(deregister_on_exit=True):
+        (model(**test_batch)["loss"] * 3).backward()
+    attributor = AdamWInfluenceAttributor(args_for(tmp_path))
+    score = attributor.attribute_from_cache(
+        tmp_path / "train",
+        tmp_path / "test",
+        dynamics=state.dynamics(),
+        loss_reduction="mean",
+        propagation="test",
+    )
+    assert_rows(score, reference.split(reference.adamw()))
+
+
+# ---------------------------------------------------------------------------- DVEmb and TracIn
+def sgd_like_groups(model, lr):
+    return torch.optim.AdamW(groups(model, "three", lr), lr=lr)
+
+
+@pytest.mark.parametrize("reduction, accumulation", [("sum", 1), ("mean", 2), ("sum", 3)])
+def test_dvemb_and_trajectory_tracin_hand_loop(tmp_path, reduction, accumulation):
+    """Per-group learning rates, clip scale and accumulation windows (one update each)."""
+    from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
+
+    model, train, test, run, _state, queries = capture_hand_loop(
+        tmp_path, optimizer_fn=adamw(), reduction=reduction, accumulation=accumulation, n=12
+    )
+    reference = Reference(model, sample_loss, run, queries)
+    args = args_for(tmp_path)
+    for propagation in ("test", "train"):
+        for mode, blocks in (("full", None), ("diagonal", [25, 18])):
+            score = DVEmbAttributor(args).attribute_from_cache(
+                train,
+                test,
+                learning_rate=None,
+                loss_reduction=reduction,
+                propagation=propagation,
+                hessian_mode=mode,
+            )
+            assert_rows(score, reference.split(reference.dvemb(blocks)))
+    tracin = TrajectoryTracInAttributor(args).attribute_from_cache(train, test)
+    assert tracin.polarity == 1
+    assert_rows(tracin, reference.split(reference.tracin()))
+
+
+# ---------------------------------------------------------------------------- refusals and warnings
+def test_maximize_and_other_optimizers_are_refused_before_any_pass(tmp_path, monkeypatch):
+    from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a pass over the data ran before the refusal")
+
+    for name, optimizer_fn, match in (
+        ("max", adamw(maximize=True), "maximize=True"),
+        ("sgd", lambda m, lr: torch.optim.SGD(m.parameters(), lr=lr), r"\['SGD'\]"),
+    ):
+        root = tmp_path / name
+        root.mkdir()
+        _model, train, test, _run, state, _queries = (
+            capture_hand_loop(root, optimizer_fn=optimizer_fn)
+            if name == "max"
+            else _capture_with_recorder(root, optimizer_fn)
+        )
+        dynamics = state.dynamics() if name == "max" else _fake_moments(state)
+        monkeypatch.setattr(TrajectoryAttributor, "open_train_source", no_pass)
+        with pytest.raises(ValueError, match=match):
+            AdamWInfluenceAttributor(args_for(root)).attribute_from_cache(
+                train, test, dynamics=dynamics
+            )
+        monkeypatch.undo()
+
+
+def _capture_with_recorder(root, optimizer_fn):
+    """An SGD run recorded with the optimizer-agnostic ``TrainingDynamicsCallback``."""
+    from dattri_llm.gradient.callbacks import TrainingDynamicsCallback
+
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = optimizer_fn(model, 0.05)
+    store = GradientStorageManager(root / "train")
+    recorder = TrainingDynamicsCallback(model, optimizer)
+    hm = HookManager(
+        model,
+        config=HookManagerConfig(linear_io=list(LAYERS)),
+        callbacks=[OffloadCallback(1, store), recorder],
+    )
+    loop = HandLoop(model, optimizer, batch_loss("sum"), max_norm=1.0)
+    with hm.collect():
+        run = loop.run(windows_of(data(8, 1), 2, 1))
+    hm.remove()
+    recorder.save(root / "train")
+    queries = GradientStorageManager(root / "test")
+    with HookManager(
+        model,
+        config=HookManagerConfig(linear_io=list(LAYERS)),
+        callbacks=[OffloadCallback(1, queries)],
+    ).collect(deregister_on_exit=True):
+        batch_loss("sum")(model, stack(data(2, 2))).backward()
+    return model, root / "train", root / "test", run, recorder, None
+
+
+def _fake_moments(recorder):
+    """Zero moments for every recorded update (the refusal must come before they are read)."""
+    zeros = {name: (torch.zeros(1), torch.zeros(1)) for name in LAYERS}
+    return {
+        step: {
+            "pre": zeros,
+            "post": zeros,
+            "step": 1,
+            "lr": 0.1,
+            "betas": (0.9, 0.999),
+            "eps": 1e-8,
+            "weight_decay": 0.0,
+        }
+        for step in recorder.updates
+    }
+
+
+def test_partial_capture_warns_that_the_clip_jacobian_is_approximated(tmp_path):
+    """Only ``fc2`` captured while ``fc1`` trains: ĝ·t misses fc1's part; one warning."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = adamw()(model, 0.05)
+    store = GradientStorageManager(tmp_path / "train")
+    state = OptimizerStateCallback(model, optimizer)
+    config = HookManagerConfig(linear_io=["fc2"])
+    hm = HookManager(model, config=config, callbacks=[OffloadCallback(1, store), state])
+    with hm.collect():
+        HandLoop(model, optimizer, batch_loss("sum"), max_norm=1.0).run(
+            windows_of(data(8, 1), 2, 1)
+        )
+    hm.remove()
+    queries = GradientStorageManager(tmp_path / "test")
+    with HookManager(model, config=config, callbacks=[OffloadCallback(1, queries)]).collect(
+        deregister_on_exit=True
+    ):
+        batch_loss("sum")(model, stack(data(2, 2))).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AdamWInfluenceAttributor(args_for(tmp_path)).attribute_from_cache(
+            tmp_path / "train", tmp_path / "test", dynamics=state.dynamics(), loss_reduction="sum"
+        )
+    messages = [str(w.message) for w in caught if "clip Jacobian" in str(w.message)]
+    assert len(messages) == 1 and "approximated" in messages[0]
+
+
+# ---------------------------------------------------------------------------- LESS
+@pytest.mark.parametrize("reduction, accumulation", [("mean", 1), ("sum", 2), ("mean", 3)])
+def test_less_hand_loop(tmp_path, reduction, accumulation):
+    """Preconditioned capture of each sample's own gradient (the map sees ``c_b·share``), weights
+    ``η_ref·c_t``, coordinates scaled by their group's rate."""
+    from dattri_llm import LESSAttributor, TrainingDynamicsCallback
+
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = adamw()(model, 0.05)
+    train, test = data(12, 1), data(3, 2)
+    store = GradientStorageManager(tmp_path / "train")
+    recorder = TrainingDynamicsCallback(model, optimizer, gradient_accumulation_steps=accumulation)
+    config = HookManagerConfig(linear_io=list(LAYERS))
+    hm = HookManager(
+        model, config=config, callbacks=[OffloadCallback(1, store), recorder], optimizer=optimizer
+    )
+    hm.set_loss_convention(reduction, accumulation)
+    loop = HandLoop(model, optimizer, batch_loss(reduction), accumulation, 1.0, None, reduction)
+    with hm.collect():
+        run = loop.run(windows_of(train, 2, accumulation))
+    hm.remove()
+    recorder.save(tmp_path / "train")
+    queries = GradientStorageManager(tmp_path / "test")
+    test_batch = stack(test)
+    with HookManager(model, config=config, callbacks=[OffloadCallback(1, queries)]).collect(
+        deregister_on_exit=True
+    ):
+        batch_loss("sum")(model, test_batch).backward()
+    reference = Reference(model, sample_loss, run, test_batch)
+    assert sum(reference.clip_coef(t) < 1 for t in range(len(run.updates))) >= 2
+    score = LESSAttributor(args_for(tmp_path)).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test"
+    )
+    assert score.algorithm_meta["weights_from"] == "training_dynamics"
+    assert_rows(score, reference.split(reference.less("fc1.weight")))

@@ -342,8 +342,8 @@ def test_kronecker_subclass_contract():
             "kfac_layers": "(self, grad)",
             "fisher_layers": "(self, grad)",
             "accumulate_fisher": "(self, fisher_acc, grad)",
-            "save_fisher": "(self, covariances, fisher_dir=None, *, fisher=None)",
-            "load_fisher": "(self, fisher_dir)",
+            "save_fisher": "(self, covariances, fit_dir=None, *, fisher=None)",
+            "load_fisher": "(self, fit_dir)",
         },
     )
 
@@ -354,17 +354,17 @@ KRONECKER_ENTRY_POINTS = {
     "loop_over_test=False, gradient_cache_residency=None, attribution_granularity='instance', "
     "damping=0.001, non_kfac_strategy='ignore', direct_fim_max_params=4096, "
     "relative_damping=False, factor_cache_residency=None, covariances_at_capture=True, "
-    "fisher_dir=None, kept_gradient_budget=None)",
+    "fit_dir=None, kept_gradient_budget=None)",
     "attribute_from_cache": "(self, train_source, test_source, *, selected_training_steps=None, "
     "layer_name=None, verbose=False, loop_over_test=False, algorithm_meta=None, "
     "attribution_granularity='instance', damping=0.001, preconditioned_test_dir=None, "
-    "preconditioned_test_cache_residency=None, fisher_dir=None, non_kfac_strategy='ignore', "
+    "preconditioned_test_cache_residency=None, fit_dir=None, non_kfac_strategy='ignore', "
     "direct_fim_max_params=4096, relative_damping=False, factor_cache_residency=None, "
     "covariances_at_capture=True)",
-    "fit": "(self, train_gradients_dir, fisher_dir=None, *, selected_training_steps=None, "
+    "fit": "(self, train_source, fit_dir=None, *, selected_training_steps=None, "
     "non_kfac_strategy='ignore', direct_fim_max_params=4096, layer_name=None, verbose=False, "
     "covariances=None, factor_cache_residency=None, covariances_at_capture=True)",
-    "cache_preconditioned_test": "(self, train_gradients_dir, test_gradients_dir, "
+    "cache_preconditioned_test": "(self, train_source, test_source, "
     "preconditioned_test_dir=None, *, damping=0.001, selected_training_steps=None, "
     "non_kfac_strategy='ignore', direct_fim_max_params=4096, layer_name=None, verbose=False, "
     "relative_damping=False, factor_cache_residency=None, covariances_at_capture=True)",
@@ -398,7 +398,7 @@ def test_less_signatures():
             "loop_over_test=False, enable_update=False, gradient_cache_residency=None, "
             "attribution_granularity='instance', loss_reduction='mean')",  # + loss_reduction
             "attribute_from_cache": "(self, train_source, test_source, *, "
-            "checkpoint_weight=None, learning_rates=None, algorithm_meta=None, **kwargs)",
+            "checkpoint_weight=None, learning_rate=None, algorithm_meta=None, **kwargs)",
             "cache": "(self, train_dataset, test_dataset, *, enable_update=False, "
             "loss_reduction='mean', **kwargs)",
             "generate_train_rep": "(self, train_dataset, *, checkpoint_step=0, "
@@ -462,7 +462,7 @@ def test_dvemb_signatures():
             "loop_over_test=False, algorithm_meta=None, propagation='train', dvemb_dir=None, "
             "hessian_mode='full', final_step=None, loss_reduction='mean', learning_rate=1.0, "
             "recorded_lr=None, hook_config=None, block_dtype=torch.float32)",
-            "cache_dvemb": "(self, train_gradients_dir, dvemb_dir=None, *, "
+            "cache_dvemb": "(self, train_source, dvemb_dir=None, *, "
             "selected_training_steps=None, hessian_mode='full', final_step=None, "
             "loss_reduction='mean', verbose=False, layer_name=None, learning_rate=1.0)",
             "embed_trajectory": "(self, train_source, prop_steps, output_steps, *, "
@@ -493,3 +493,24 @@ def test_adamw_influence_signatures():
     )
     for name in ("sweep", "sweep_queries", "trajectory_callbacks", "on_trajectory_block"):
         assert callable(getattr(AdamWInfluenceAttributor, name))
+
+
+# ---------------------------------------------------------------------------- one name per concept
+SPEC_ALIASES = {
+    (KFACAttributor, "attribute"): {"fisher_dir": "fit_dir"},
+    (KFACAttributor, "attribute_from_cache"): {"fisher_dir": "fit_dir"},
+    (KFACAttributor, "fit"): {"train_gradients_dir": "train_source", "fisher_dir": "fit_dir"},
+    (KFACAttributor, "cache_preconditioned_test"): {
+        "train_gradients_dir": "train_source",
+        "test_gradients_dir": "test_source",
+    },
+    (KFACAttributor, "save_fisher"): {"fisher_dir": "fit_dir"},
+    (KFACAttributor, "load_fisher"): {"fisher_dir": "fit_dir"},
+    (LESSAttributor, "attribute_from_cache"): {"learning_rates": "learning_rate"},
+    (DVEmbAttributor, "cache_dvemb"): {"train_gradients_dir": "train_source"},
+}
+
+
+@pytest.mark.parametrize("owner, method", sorted(SPEC_ALIASES, key=lambda k: (k[0].__name__, k[1])))
+def test_spec_names_stay_accepted_as_aliases(owner, method):
+    assert getattr(owner, method).__keyword_aliases__ == SPEC_ALIASES[owner, method]

@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from dattri_llm.gradient.async_writer import AsyncGradientWriter
-from dattri_llm.gradient.gradient import GradientRecord
+from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
 from dattri_llm.gradient.streaming import rebatch_blocks
 from dattri_llm.utils.atomic import atomic_write
 from dattri_llm.utils.cache import CacheBudget, TensorCache
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.gradient import Gradient
     from dattri_llm.gradient.streaming import GradientSource
 
 ATTRIBUTION_GRANULARITIES = ("instance", "token")
@@ -184,7 +183,6 @@ def _preprocess_layers(rep: Gradient, *, conv: bool = True) -> Gradient:
     Final factors carry the bias column (and the im2col patches), so kernels that see
     the layer several times do not redo (and re-allocate) the preprocessing each time.
     """
-    from dattri_llm.gradient.gradient import Factorized
     from dattri_llm.gradient.ops.preprocess import preprocess_factorized
     from dattri_llm.gradient.ops.types import is_conv, is_linear
 
@@ -807,3 +805,32 @@ class _ScoringChecks:
         if not self.train_blocks:
             raise ValueError("the training set is empty: the train source yielded no block")
         return self.audit.finish()
+
+
+def scale_rows(block: Gradient, factors: torch.Tensor) -> Gradient:
+    """``block`` with sample ``i``'s gradient multiplied by ``factors[i]`` in every layer.
+
+    Factorized layers scale their output-gradient factor (the gradient is
+    linear in it); dense layers scale their rows. ``param_grad`` layers pass
+    through.
+    """
+    data = dict(block.data)
+    for name in per_sample_layers(block):
+        value = block.data[name]
+        if isinstance(value, Factorized):
+            grad = value.pre_activation_grad
+            shape = [1] * grad.dim()
+            shape[value.batch_axis] = -1
+            scaled = grad * factors.to(grad).reshape(shape)
+            data[name] = Factorized(
+                value.activation, scaled, value.module_kwargs, value.batch_first
+            )
+        else:
+            data[name] = value * factors.to(value).reshape(-1, *([1] * (value.dim() - 1)))
+    return Gradient(
+        dict(block.representation),
+        data,
+        dict(block.layer_types),
+        dict(block.indexing),
+        validate_on_init=False,
+    )

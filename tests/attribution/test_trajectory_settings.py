@@ -578,3 +578,33 @@ def test_less_hand_loop(tmp_path, reduction, accumulation):
     )
     assert score.algorithm_meta["weights_from"] == "training_dynamics"
     assert_rows(score, reference.split(reference.less("fc1.weight")))
+
+
+def test_trajectory_tracin_with_one_rate_is_weighted_grad_dot(tmp_path):
+    """One learning rate for every coordinate (the fast, factored path) and clipping."""
+    from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
+
+    def one_group(model, lr):
+        return torch.optim.AdamW(groups(model, "one", lr), lr=lr)
+
+    model, train, test, run, _state, queries = capture_hand_loop(
+        tmp_path, optimizer_fn=one_group, reduction="mean", accumulation=2, n=12
+    )
+    reference = Reference(model, sample_loss, run, queries)
+    score = TrajectoryTracInAttributor(args_for(tmp_path)).attribute_from_cache(train, test)
+    assert score.row_steps == sorted(score.row_steps, reverse=True)
+    assert_rows(score, reference.split(reference.tracin()))
+
+
+def test_train_side_adamw_summary_is_sized_before_the_sweep(tmp_path, monkeypatch):
+    """``propagation="train"`` carries ``(p, ·)`` blocks: estimated first, a warning when large."""
+    from dattri_llm.attribution.algorithm.trajectory import sweep as trajectory_sweep
+
+    model, train, test, _run, state, _queries = capture_hand_loop(tmp_path, optimizer_fn=adamw())
+    monkeypatch.setattr(trajectory_sweep, "SUMMARY_WARN_BYTES", 1000)
+    attributor = AdamWInfluenceAttributor(args_for(tmp_path))
+    with pytest.warns(UserWarning, match=r"train-side summary holds .* \(43, 43\).*'test'"):
+        attributor.attribute_from_cache(train, test, dynamics=state.dynamics())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attributor.attribute_from_cache(train, test, dynamics=state.dynamics(), propagation="test")

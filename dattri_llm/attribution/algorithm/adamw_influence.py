@@ -54,6 +54,7 @@ from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.snapshots import LazyDynamics, TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.atomic import atomic_torch_save
+from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.arguments import AttributionArguments
@@ -70,6 +71,11 @@ _GROUP_SEED = 0
 _ADAMW_OPTIMS = ("adamw_torch", "adamw")
 
 Queries = dict[str, torch.Tensor]
+# Keywords of ``attribute_from_cache`` that ``attribute`` passes on.
+_FROM_CACHE = (
+    "dynamics", "selected_training_steps", "layer_name", "loss_reduction", "propagation",
+    "loop_over_test", "final_step", "block_dtype", "num_masks", "algorithm_meta",
+)  # fmt: skip
 
 
 def coordinate_groups(widths: Mapping[str, int], num_masks: int) -> list[torch.Tensor | None]:
@@ -160,6 +166,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             )
         return hook_config
 
+    @keywords()
     def cache(
         self,
         train_dataset: object,
@@ -367,6 +374,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         return AdamWFold(amsgrad=run.recorded and 1.0 in run.group_settings("amsgrad"))
 
     # ------------------------------------------------------------------ entry points
+    @keywords(extra=("cache_dir", "offload_interval", *_FROM_CACHE))
     def attribute(
         self,
         train_dataset: object,
@@ -391,6 +399,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             train_dir, test_dir, hook_config=hook_config, verbose=verbose, **kwargs
         )
 
+    @keywords(extra=("num_masks", "algorithm_meta"))
     def attribute_from_cache(
         self,
         train_source: object,
@@ -417,7 +426,8 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         ``selected_training_steps``, latest first. ``loop_over_test`` sweeps
         once per query block (``propagation="test"`` only). ``kwargs``: an int
         ``num_masks`` (default 1) averages that many disjoint coordinate groups
-        of every layer; all of them are recorded in ``algorithm_meta``.
+        of every layer; ``algorithm_meta`` (a dict) is merged into the score's;
+        any other keyword raises ``TypeError``.
 
         Raises:
             ValueError: bad ``loss_reduction`` / ``propagation`` / ``num_masks``;
@@ -428,6 +438,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         _check_options({"loss_reduction": loss_reduction, **kwargs})
         self.validate_propagation(propagation, loop_over_test)
         num_masks = check_num_masks(kwargs.pop("num_masks", 1))
+        extra_meta = kwargs.pop("algorithm_meta", None) or {}
         test_store = self.require_test_records(test_source)
         entries = self.load_dynamics(train_source, dynamics)
         scope = self.run_scope(
@@ -471,7 +482,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             ),
             "num_masks": num_masks,
             "projection_kwargs": self.projection_kwargs,
-            **kwargs,
+            **extra_meta,
         }
         self.scored_layers = result.layers
         return self.build_score(

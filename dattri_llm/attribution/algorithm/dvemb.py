@@ -45,6 +45,7 @@ from dattri_llm.attribution.base import _check_dataset, fresh_store
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
+from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.algorithm.trajectory import RunScope
@@ -86,6 +87,7 @@ class DVEmbAttributor(TrajectoryAttributor):
         super().__init__(args, task=task)
 
     # ------------------------------------------------------------------ entry points
+    @keywords()
     def attribute(
         self,
         train_dataset: object,
@@ -157,6 +159,7 @@ class DVEmbAttributor(TrajectoryAttributor):
             )
             return self.attribute_from_cache(train, test_store, **options)
 
+    @keywords()
     def attribute_from_cache(
         self,
         train_source: object,
@@ -273,9 +276,10 @@ class DVEmbAttributor(TrajectoryAttributor):
         recorded = recorded_lr if recorded_lr is not None else self.recorded_lr_of(train_source)
         return scope.run.learning_rates(scope.swept, learning_rate, recorded)
 
+    @keywords(aliases={"train_gradients_dir": "train_source"})
     def cache_dvemb(
         self,
-        train_gradients_dir: object,
+        train_source: object,
         dvemb_dir: str | None = None,
         *,
         selected_training_steps: Iterable[int] | None = None,
@@ -298,20 +302,21 @@ class DVEmbAttributor(TrajectoryAttributor):
         """
         _check_options("train", False, hessian_mode, loss_reduction, None)
         scope = self.run_scope(
-            train_gradients_dir,
+            train_source,
             selected_training_steps=selected_training_steps,
             final_step=final_step,
         )
-        rates = self._rates(scope, learning_rate, None, train_gradients_dir)
+        rates = self._rates(scope, learning_rate, None, train_source)
         target = Path(dvemb_dir or Path(self.args.output_dir) / DVEMB_DIR).expanduser()
-        persist = self._persist(fresh_store(target), train_gradients_dir)
+        persist = self._persist(fresh_store(target), train_source)
         for emission in self._emissions(
-            train_gradients_dir, scope, rates, loss_reduction, hessian_mode, layer_name, verbose
+            train_source, scope, rates, loss_reduction, hessian_mode, layer_name, verbose
         ):
             persist(emission)
         return str(target)
 
     # ------------------------------------------------------------------ the sweeps
+    @keywords()
     def embed_trajectory(
         self,
         train_source: object,

@@ -19,7 +19,7 @@ and scored against raw train gradients with the inner-product machinery of
 
 Damping ``λ_X = damping``, or ``damping · mean eigenvalue of X`` with
 ``relative_damping=True`` (EK-FAC: ``damping · mean(Λ)``). A fit is
-damping-free and can be persisted (``fisher_dir``) and re-damped later.
+damping-free and can be persisted (``fit_dir``) and re-damped later.
 
 Tied weights are scored per use site: each hooked module contributes its own
 term and the cross-site terms are dropped.
@@ -89,6 +89,7 @@ from dattri_llm.utils.distributed import (
     all_reduce_named_sums,
     all_reduce_sum,
 )
+from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
     from torch import nn
@@ -480,7 +481,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             raise ValueError(
                 f"{type(self).__name__} fits the curvature with extra passes over the training "
                 f"gradients, but the train source {type(train_source).__name__} is not reusable; "
-                "use a frozen probe or a gradient store, or fit first (fit / fisher_dir)."
+                "use a frozen probe or a gradient store, or fit first (fit / fit_dir)."
             )
         fisher_acc = FisherAccumulator(max_params=self.direct_fim_max_params)
         raw = self.fit_factors(train_source, fisher_acc)
@@ -568,15 +569,16 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         """``<output_dir>/<algorithm.lower()>_fisher``."""
         return Path(self.args.output_dir).expanduser() / f"{self.algorithm.lower()}_fisher"
 
+    @keywords(aliases={"fisher_dir": "fit_dir"})
     def save_fisher(
         self,
         covariances: Mapping[str, Any],
-        fisher_dir: str | Path | None = None,
+        fit_dir: str | Path | None = None,
         *,
         fisher: Mapping[str, torch.Tensor] | None = None,
     ) -> Path:
-        """Write a damping-free fit to ``<fisher_dir>/fisher_factors.pt``; return the directory."""
-        directory = Path(fisher_dir or self.default_fisher_dir()).expanduser()
+        """Write a damping-free fit to ``<fit_dir>/fisher_factors.pt``; return the directory."""
+        directory = Path(fit_dir or self.default_fisher_dir()).expanduser()
         if self.args.should_log:
             directory.mkdir(parents=True, exist_ok=True)
             payload = {
@@ -589,19 +591,20 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             atomic_torch_save(payload, directory / FISHER_FILE)
         return directory
 
-    def load_fisher(self, fisher_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    @keywords(aliases={"fisher_dir": "fit_dir"})
+    def load_fisher(self, fit_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load a fit written by :meth:`save_fisher` (settings must match; damping may differ)."""
-        path = Path(fisher_dir).expanduser() / FISHER_FILE
+        path = Path(fit_dir).expanduser() / FISHER_FILE
         if not path.is_file():
             raise ValueError(
                 f"no fit at {str(path)!r}; run {type(self).__name__}.fit(...) or pass a "
-                "fisher_dir written by a previous call."
+                "fit_dir written by a previous call."
             )
         payload = torch.load(path, map_location="cpu", weights_only=True)
         if payload.get("algorithm") != self.algorithm:
             raise ValueError(
                 f"{str(path)!r} holds a {payload.get('algorithm')} fit, not {self.algorithm}; "
-                "use the matching attributor or another fisher_dir."
+                "use the matching attributor or another fit_dir."
             )
         expected = self.fit_meta()
         stored = payload.get("meta", {})
@@ -610,7 +613,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             raise ValueError(
                 f"the fit in {str(path)!r} was made with different settings "
                 f"{{setting: (stored, requested)}} = {different}; refit with fit(...) or use "
-                "another fisher_dir (only damping may differ)."
+                "another fit_dir (only damping may differ)."
             )
         self._fitted_layer_types = dict(payload.get("layer_types", {}))
         self.raw_fit = (payload["factors"], payload["fisher"])
@@ -668,7 +671,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         if self._factors is None:
             raise ValueError(
                 f"{type(self).__name__}: the curvature is not fitted; score through "
-                "attribute/attribute_from_cache, or fit first (fit / fisher_dir)."
+                "attribute/attribute_from_cache, or fit first (fit / fit_dir)."
             )
 
         def convert(name: str, value: Any, layer_type: str) -> Any:
@@ -740,14 +743,14 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         self._pass_plan = None
         self._test_eigenbasis_mode = None
 
-    def _use_fisher_dir(self, fisher_dir: str | Path | None) -> None:
-        """Load the fit in ``fisher_dir`` if present, else write this call's fit there."""
-        if fisher_dir is None:
+    def _use_fisher_dir(self, fit_dir: str | Path | None) -> None:
+        """Load the fit in ``fit_dir`` if present, else write this call's fit there."""
+        if fit_dir is None:
             return
-        if (Path(fisher_dir).expanduser() / FISHER_FILE).is_file():
-            self.load_fisher(fisher_dir)
+        if (Path(fit_dir).expanduser() / FISHER_FILE).is_file():
+            self.load_fisher(fit_dir)
         else:
-            self._fisher_dir_to_write = Path(fisher_dir).expanduser()
+            self._fisher_dir_to_write = Path(fit_dir).expanduser()
 
     def _use_store_covariances(self, train_source: object) -> None:
         """Adopt the covariances recorded at capture for this train store, if they fit the call.
@@ -794,6 +797,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             return str(path), {"unreadable": f"cannot be read ({error})"}
         return str(path), payload
 
+    @keywords(aliases={"fisher_dir": "fit_dir"})
     def attribute_from_cache(  # noqa: D417 - documented in attribution.md §7
         self,
         train_source: object,
@@ -808,7 +812,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         damping: float = 1e-3,
         preconditioned_test_dir: str | None = None,
         preconditioned_test_cache_residency: str | None = None,
-        fisher_dir: str | None = None,
+        fit_dir: str | None = None,
         non_kfac_strategy: str = "ignore",
         direct_fim_max_params: int = 4096,
         relative_damping: bool = False,
@@ -817,7 +821,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
     ) -> AttributionScore:
         """Curvature-weighted scores from gradient stores (no model needed).
 
-        A fit in ``fisher_dir`` is loaded and re-damped (no train pre-pass);
+        A fit in ``fit_dir`` is loaded and re-damped (no train pre-pass);
         otherwise the fit of this call is written there. With
         ``preconditioned_test_dir``/``preconditioned_test_cache_residency``
         (``loop_over_test=True`` only) the preconditioned queries are cached
@@ -841,7 +845,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             )
         self._start_call(options, layer_name, selected_training_steps)
         self._use_store_covariances(train_source)
-        self._use_fisher_dir(fisher_dir)
+        self._use_fisher_dir(fit_dir)
         meta = {**(algorithm_meta or {}), **self._meta_extra()}
         kwargs = dict(
             selected_training_steps=selected_training_steps,
@@ -849,7 +853,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             verbose=verbose,
             loop_over_test=loop_over_test,
             attribution_granularity=attribution_granularity,
-            fisher_dir=None if fisher_dir is None else str(fisher_dir),
+            fit_dir=None if fit_dir is None else str(fit_dir),
             **options,
         )
         if preconditioned_test_dir is None and preconditioned_test_cache_residency is None:
@@ -898,10 +902,11 @@ class KroneckerAttributor(BaseInnerProductAttributor):
                 finally:
                     self._identity_test = False
 
+    @keywords(aliases={"train_gradients_dir": "train_source", "fisher_dir": "fit_dir"})
     def fit(  # noqa: D417 - documented in attribution.md §7
         self,
-        train_gradients_dir: object,
-        fisher_dir: str | None = None,
+        train_source: object,
+        fit_dir: str | None = None,
         *,
         selected_training_steps: Iterable[int] | None = None,
         non_kfac_strategy: str = "ignore",
@@ -928,23 +933,24 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             selected_training_steps,
         )
         self.covariances = None if covariances is None else dict(covariances)
-        self._use_store_covariances(train_gradients_dir)
+        self._use_store_covariances(train_source)
         self._verbose = verbose
         try:
             source = self.load_train_rep(
-                train_gradients_dir,
+                train_source,
                 steps=self._fit_settings["selected_training_steps"],
                 layer_name=self._fit_settings["layer_name"],
             )
             self.raw_fit = self.fit_raw(source)
         finally:
             self._verbose = False
-        return self.save_fisher(self.raw_fit[0], fisher_dir, fisher=self.raw_fit[1])
+        return self.save_fisher(self.raw_fit[0], fit_dir, fisher=self.raw_fit[1])
 
+    @keywords(aliases={"train_gradients_dir": "train_source", "test_gradients_dir": "test_source"})
     def cache_preconditioned_test(  # noqa: D417 - documented in attribution.md §7
         self,
-        train_gradients_dir: object,
-        test_gradients_dir: object,
+        train_source: object,
+        test_source: object,
         preconditioned_test_dir: str | None = None,
         *,
         damping: float = 1e-3,
@@ -975,7 +981,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
             layer_name,
             selected_training_steps,
         )
-        self._use_store_covariances(train_gradients_dir)
+        self._use_store_covariances(train_source)
         directory = Path(
             preconditioned_test_dir
             or Path(self.args.output_dir).expanduser()
@@ -983,21 +989,22 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         ).expanduser()
         layers = self._fit_settings["layer_name"]
         train = self.load_train_rep(
-            train_gradients_dir,
+            train_source,
             steps=self._fit_settings["selected_training_steps"],
             layer_name=layers,
             verbose=verbose,
         )
         self._ensure_fit(train)
-        test_store = self.resolve_store(test_gradients_dir)
+        test_store = self.resolve_store(test_source)
         with GradientStorageManager(str(directory)) as store:
             self.cache_representations(
-                self.load_test_rep(test_gradients_dir, layer_name=layers),
+                self.load_test_rep(test_source, layer_name=layers),
                 store,
                 sample_id_key=test_store.sample_id_key,
             )
         return directory
 
+    @keywords(aliases={"fisher_dir": "fit_dir"})
     def attribute(  # noqa: D417 - documented in attribution.md §7
         self,
         train_dataset: object,
@@ -1014,7 +1021,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         relative_damping: bool = False,
         factor_cache_residency: str | None = None,
         covariances_at_capture: bool = True,
-        fisher_dir: str | None = None,
+        fit_dir: str | None = None,
         kept_gradient_budget: int | None = None,
     ) -> AttributionScore:
         """Run the model (frozen probes) and score with the fitted curvature.
@@ -1043,7 +1050,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
         self._collect_covariances = covariances_at_capture and gradient_cache_residency is not None
         self._recorder = self._recorded = None
         if gradient_cache_residency is None:
-            self._use_fisher_dir(fisher_dir)
+            self._use_fisher_dir(fit_dir)
             self._kept_budget = budget
         try:
             return super().attribute(
@@ -1055,7 +1062,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
                 gradient_cache_residency=gradient_cache_residency,
                 attribution_granularity=attribution_granularity,
                 **options,
-                fisher_dir=fisher_dir,
+                fit_dir=fit_dir,
             )
         finally:
             self._collect_covariances = False
@@ -1114,6 +1121,7 @@ class KroneckerAttributor(BaseInnerProductAttributor):
                 atomic_torch_save(payload, Path(store.save_dir) / COVARIANCES_FILE)
         return result
 
+    @keywords(extra=("cache_dir", "hook_config", "enable_update", "on_train_block"))
     def cache(  # noqa: D417 - documented in attribution.md §7
         self,
         train_dataset: object,

@@ -44,6 +44,7 @@ from dattri_llm.gradient.callbacks.training_dynamics_callback import (
 from dattri_llm.gradient.gradient import Factorized, Gradient
 from dattri_llm.gradient.ops.dot import grad_norm_sq
 from dattri_llm.gradient.streaming import GradientStreamer
+from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.arguments import AttributionArguments
@@ -52,6 +53,11 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.storage_manager import GradientStorageManager
 
 StepWeight = Callable[[int], float]
+# Keywords ``attribute_from_cache`` passes to the base method.
+_BASE_FROM_CACHE = (
+    "selected_training_steps", "layer_name", "verbose", "loop_over_test",
+    "attribution_granularity",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- row scaling
@@ -77,39 +83,10 @@ def row_norms(block: Gradient) -> torch.Tensor:
     return total.sqrt()
 
 
-def scale_rows(block: Gradient, factors: torch.Tensor) -> Gradient:
-    """``block`` with sample ``i``'s gradient multiplied by ``factors[i]`` in every layer.
-
-    Factorized layers scale their output-gradient factor (the gradient is
-    linear in it); dense layers scale their rows. ``param_grad`` layers pass
-    through.
-    """
-    data = dict(block.data)
-    for name in attribution_utils.per_sample_layers(block):
-        value = block.data[name]
-        if isinstance(value, Factorized):
-            grad = value.pre_activation_grad
-            shape = [1] * grad.dim()
-            shape[value.batch_axis] = -1
-            scaled = grad * factors.to(grad).reshape(shape)
-            data[name] = Factorized(
-                value.activation, scaled, value.module_kwargs, value.batch_first
-            )
-        else:
-            data[name] = value * factors.to(value).reshape(-1, *([1] * (value.dim() - 1)))
-    return Gradient(
-        dict(block.representation),
-        data,
-        dict(block.layer_types),
-        dict(block.indexing),
-        validate_on_init=False,
-    )
-
-
 def scale_to_norm(block: Gradient, norm: float) -> Gradient:
     """``block`` with every sample's gradient rescaled to norm ``norm`` (zero rows stay 0)."""
     norms = row_norms(block)
-    return scale_rows(block, norm / (norms + COSINE_EPS))
+    return attribution_utils.scale_rows(block, norm / (norms + COSINE_EPS))
 
 
 # ---------------------------------------------------------------------------- step weights
@@ -121,7 +98,7 @@ def _steps_table(source_name: str, table: Mapping[int, float]) -> StepWeight:
         if step not in weights:
             raise ValueError(
                 f"no learning rate for training step {step}: {source_name} covers steps "
-                f"{sorted(weights)}; pass learning_rates={{step: lr}} covering every stored "
+                f"{sorted(weights)}; pass learning_rate={{step: lr}} covering every stored "
                 "step (or a single float)"
             )
         return weights[step]
@@ -299,6 +276,7 @@ class LESSAttributor(BaseInnerProductAttributor):
         return super().build_score(scores, row_train_ids, row_steps, test_ids, **kwargs)
 
     # ------------------------------------------------------------------ entry points
+    @keywords(extra=("cache_dir", "hook_config", "on_train_block"))
     def cache(
         self,
         train_dataset: object,
@@ -321,6 +299,7 @@ class LESSAttributor(BaseInnerProductAttributor):
             self._check_frozen_form()
         return super().cache(train_dataset, test_dataset, enable_update=enable_update, **kwargs)
 
+    @keywords()
     def attribute(
         self,
         train_dataset: object,
@@ -362,19 +341,24 @@ class LESSAttributor(BaseInnerProductAttributor):
             self._step_weight = None
             self._live_recorder = None
 
+    @keywords(
+        aliases={"learning_rates": "learning_rate"},
+        extra=(*_BASE_FROM_CACHE, "loss_reduction"),
+    )
     def attribute_from_cache(
         self,
         train_source: object,
         test_source: object,
         *,
         checkpoint_weight: float | None = None,
-        learning_rates: float | Mapping[int, float] | None = None,
+        learning_rate: float | Mapping[int, float] | None = None,
         algorithm_meta: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> AttributionScore:
         """LESS scores from a preconditioned train store and a raw test store.
 
-        Weights: ``learning_rates`` (a float, or ``{step: lr}``), else
+        Weights: ``learning_rate`` (a float, or ``{step: lr}``; alias
+        ``learning_rates``), else
         ``checkpoint_weight``, else the recorded run (``training_dynamics.json``:
         each update's first-group rate and per-group rates), else
         ``lr_schedule.json`` beside the train store, else 1. A recorded run's
@@ -382,13 +366,13 @@ class LESSAttributor(BaseInnerProductAttributor):
         ``kwargs`` go to the base method.
 
         Raises:
-            ValueError: a scored step has no weight in ``learning_rates`` or
+            ValueError: a scored step has no weight in ``learning_rate`` or
                 the schedule file.
         """
         kwargs.pop("loss_reduction", None)  # a capture-time setting, recorded by attribute()
         train_store = self.resolve_store(train_source)
         run = _recorded_run(train_store)
-        weight, origin = self._stored_weights(train_store, checkpoint_weight, learning_rates, run)
+        weight, origin = self._stored_weights(train_store, checkpoint_weight, learning_rate, run)
         steps = kwargs.get("selected_training_steps")
         for step in _scored_steps(train_store, steps):
             weight(step)  # refuse a step without weight before any scoring work
@@ -402,7 +386,7 @@ class LESSAttributor(BaseInnerProductAttributor):
                 test_source,
                 algorithm_meta=meta,
                 checkpoint_weight=checkpoint_weight,
-                learning_rates=learning_rates,
+                learning_rate=learning_rate,
                 **kwargs,
             )
         finally:
@@ -413,17 +397,17 @@ class LESSAttributor(BaseInnerProductAttributor):
     def _stored_weights(
         train_store: GradientStorageManager,
         checkpoint_weight: float | None,
-        learning_rates: float | Mapping[int, float] | None,
+        learning_rate: float | Mapping[int, float] | None,
         run: RunDynamics | None = None,
     ) -> tuple[StepWeight, str]:
         """The step-weight lookup of a cached scoring call and where it came from."""
         clip = _clip_of(run, train_store.available_steps())
-        if learning_rates is not None:
-            if isinstance(learning_rates, Mapping):
-                rates = _steps_table("learning_rates", learning_rates)
+        if learning_rate is not None:
+            if isinstance(learning_rate, Mapping):
+                rates = _steps_table("learning_rate", learning_rate)
             else:
-                rates = _constant(learning_rates)
-            return _times(rates, clip), "learning_rates"
+                rates = _constant(learning_rate)
+            return _times(rates, clip), "learning_rate"
         if checkpoint_weight is not None:
             return _constant(checkpoint_weight), "checkpoint_weight"
         if run is not None:

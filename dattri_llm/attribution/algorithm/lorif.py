@@ -34,6 +34,7 @@ from dattri_llm.attribution.utils import normalize_layer_names, per_sample_layer
 from dattri_llm.gradient.lowrank import check_low_rank, is_low_rank, low_rank_gradient
 from dattri_llm.gradient.ops.materialize import materialize
 from dattri_llm.utils.atomic import atomic_torch_save
+from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.arguments import AttributionArguments
@@ -382,9 +383,10 @@ class LoRIFAttributor(BaseInnerProductAttributor):
         self.layer_fits = None
         self._loaded_fits = None
 
+    @keywords(aliases={"train_gradients_dir": "train_source"})
     def fit(
         self,
-        train_gradients_dir: object,
+        train_source: object,
         fit_dir: str | None = None,
         *,
         selected_training_steps: Iterable[int] | None = None,
@@ -398,7 +400,7 @@ class LoRIFAttributor(BaseInnerProductAttributor):
         """
         self._start_call(layer_name, selected_training_steps)
         source = self.load_train_rep(
-            train_gradients_dir,
+            train_source,
             steps=self._fit_settings["selected_training_steps"],
             layer_name=self._fit_settings["layer_name"],
             verbose=verbose,
@@ -493,6 +495,7 @@ class LoRIFAttributor(BaseInnerProductAttributor):
         )
 
     # ------------------------------------------------------------------ entry points
+    @keywords()
     def attribute(
         self,
         train_dataset: object,
@@ -519,6 +522,7 @@ class LoRIFAttributor(BaseInnerProductAttributor):
             attribution_granularity=attribution_granularity,
         )
 
+    @keywords()
     def attribute_from_cache(
         self,
         train_source: object,

@@ -22,6 +22,7 @@ import torch
 
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.arguments import AttributionArguments
@@ -54,6 +55,7 @@ class TracInAttributor(BaseInnerProductAttributor):
         self.algorithm = "GradCos" if self.normalized_grad else "TracIn"
         self._norm_cache = weakref.WeakKeyDictionary()
 
+    @keywords()
     def attribute(
         self,
         train_dataset: object,
@@ -81,6 +83,7 @@ class TracInAttributor(BaseInnerProductAttributor):
             normalized_grad=self.normalized_grad,
         )
 
+    @keywords()
     def attribute_from_cache(
         self,
         train_source: object,

@@ -8,6 +8,12 @@ effect of the update's step on the query loss at the end of the run, as if
 nothing after it changed the parameters. It is DVEmb without curvature
 (``H = 0``) and the lr-weighted counterpart of ``TracInAttributor``'s unit
 weights; ``AttributionScore.agnostic_matrix()`` sums a sample's updates.
+
+When every coordinate of an update shares one learning rate, the update's
+weight ``η_t c_t / ρ`` scales its rows and the inner products are Grad-Dot's
+(factored or dense, whichever is cheaper): the cost of Grad-Dot on the same
+store. Parameter groups with different rates go through the shared sweep
+(:class:`~.trajectory.folds.TracInFold`), which scales each coordinate.
 """
 
 from __future__ import annotations
@@ -17,15 +23,25 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from dattri_llm.attribution import utils as attribution_utils
 from dattri_llm.attribution.algorithm.trajectory import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory.folds import TracInFold
+from dattri_llm.attribution.algorithm.trajectory.sweep import SweepResult
+from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
+    from dattri_llm.attribution.algorithm.trajectory import RunScope
     from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.attribution.score import AttributionScore
+    from dattri_llm.gradient.gradient import Gradient
     from dattri_llm.gradient.hooks.config import HookManagerConfig
 
 LearningRate = float | Mapping[int, float] | None
+# Keywords of ``attribute_from_cache`` that ``attribute`` passes on.
+_FROM_CACHE = (
+    "selected_training_steps", "layer_name", "loop_over_test", "algorithm_meta", "final_step",
+    "learning_rate", "block_dtype",
+)  # fmt: skip
 
 
 class TrajectoryTracInAttributor(TrajectoryAttributor):
@@ -35,7 +51,9 @@ class TrajectoryTracInAttributor(TrajectoryAttributor):
 
     def __init__(self, args: AttributionArguments, *, task: object | None = None) -> None:
         super().__init__(args, task=task)
+        self._step_weights: dict[int, float] | None = None
 
+    @keywords(extra=("cache_dir", "offload_interval", *_FROM_CACHE))
     def attribute(
         self,
         train_dataset: object,
@@ -58,6 +76,7 @@ class TrajectoryTracInAttributor(TrajectoryAttributor):
             train_dir, test_dir, hook_config=hook_config, verbose=verbose, **kwargs
         )
 
+    @keywords()
     def attribute_from_cache(
         self,
         train_source: object,
@@ -91,23 +110,36 @@ class TrajectoryTracInAttributor(TrajectoryAttributor):
         rates = scope.run.learning_rates(
             scope.swept, learning_rate, self.recorded_lr_of(train_source)
         )
+        weights = _uniform_weights(scope, rates)
         self._verbose = verbose
         try:
-            result, test_ids = self.score_run(
-                train_source,
-                test_store,
-                TracInFold(),
-                scope,
-                layer_name=layer_name,
-                hook_config=hook_config,
-                propagation="test",
-                loop_over_test=loop_over_test,
-                block_dtype=block_dtype,
-                learning_rates=rates,
-                verbose=verbose,
-            )
+            if weights is None:
+                result, test_ids = self.score_run(
+                    train_source,
+                    test_store,
+                    TracInFold(),
+                    scope,
+                    layer_name=layer_name,
+                    hook_config=hook_config,
+                    propagation="test",
+                    loop_over_test=loop_over_test,
+                    block_dtype=block_dtype,
+                    learning_rates=rates,
+                    verbose=verbose,
+                )
+            else:
+                result, test_ids = self._weighted_dot(
+                    train_source,
+                    test_store,
+                    scope,
+                    weights,
+                    layer_name,
+                    hook_config,
+                    loop_over_test,
+                )
         finally:
             self._verbose = False
+            self._step_weights = None
         meta = {
             **self.run_meta(
                 train_source,
@@ -133,3 +165,55 @@ class TrajectoryTracInAttributor(TrajectoryAttributor):
             algorithm_meta=meta,
             layer_name=list(result.layers),
         )
+
+    def _weighted_dot(
+        self,
+        train_source: object,
+        test_store: object,
+        scope: RunScope,
+        weights: dict[int, float],
+        layer_name: str | list[str] | None,
+        hook_config: HookManagerConfig | None,
+        loop_over_test: bool,
+    ) -> tuple[SweepResult, list[str]]:
+        """Grad-Dot of the emitted steps with each step's rows scaled by its weight."""
+        layers = attribution_utils.normalize_layer_names(layer_name)
+        steps = sorted(s for s in scope.swept_steps if s in set(scope.output_steps))
+        source = self.open_train_source(
+            train_source, steps=steps, layer_name=layers, hook_config=hook_config
+        )
+        self._step_weights = weights
+        try:
+            test = self.load_test_rep(test_store, layer_name=layers)
+            scores, row_ids, row_steps, test_ids, _ = self.score_sources(
+                source, test, loop_over_test=loop_over_test
+            )
+        finally:
+            self.close_source(source)
+        order = sorted(range(len(row_steps)), key=lambda row: -row_steps[row])  # latest first
+        result = SweepResult(
+            scores[order],
+            [row_ids[i] for i in order],
+            [row_steps[i] for i in order],
+            list(self.scored_layers),
+        )
+        return result, test_ids
+
+    def transform_train_step(self, step: int, block: Gradient) -> Gradient:
+        """The step's rows times its update's weight ``η_t c_t / ρ`` (identity outside a call)."""
+        if self._step_weights is None:
+            return block
+        factors = torch.full((block.batch_size,), self._step_weights[step])
+        return attribution_utils.scale_rows(block, factors)
+
+
+def _uniform_weights(scope: RunScope, rates: Mapping[int, float] | None) -> dict[int, float] | None:
+    """``{store step: η_t c_t / ρ}`` when every swept update has one rate for all coordinates."""
+    weights = {}
+    for window in scope.swept:
+        rate = rates[window.key] if rates is not None else scope.run.uniform(window, "lr")
+        if rate is None:
+            return None
+        for step in window.steps:
+            weights[step] = rate * window.row_step_scale
+    return weights

@@ -42,6 +42,7 @@ from dattri_llm.gradient.callbacks.training_dynamics_callback import load_traini
 from dattri_llm.gradient.datasets import DiskGradientSource
 from dattri_llm.gradient.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
+from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
     from torch import nn
@@ -122,6 +123,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         return bool(self.args.recompute_gradients)
 
     # ------------------------------------------------------------------ collection
+    @keywords()
     def cache(
         self,
         train_dataset: object,

@@ -93,7 +93,8 @@ class _AdamSummary:
     theta: torch.Tensor
     m: torch.Tensor
     v: torch.Tensor
-    u: torch.Tensor | None = None
+    u: torch.Tensor | None
+    k: torch.Tensor  # the sensitivity K, rewritten in place every update
 
 
 @dataclass
@@ -147,7 +148,8 @@ class AdamWFold(Fold):
     def start(self, initial: torch.Tensor) -> _AdamSummary:
         """``U_θ = initial``, the moment blocks zero."""
         zeros = torch.zeros_like(initial)
-        return _AdamSummary(initial, zeros, zeros.clone(), zeros.clone() if self.amsgrad else None)
+        ams = zeros.clone() if self.amsgrad else None
+        return _AdamSummary(initial, zeros, zeros.clone(), ams, torch.empty_like(initial))
 
     def step(
         self,
@@ -161,7 +163,7 @@ class AdamWFold(Fold):
         """Rows ``K·(C t)``; then carry ``U`` back through the update."""
         co = self._coefficients(rows, columns)
         s = summary
-        k = s.theta * co.a_theta
+        k = torch.mul(s.theta, co.a_theta, out=s.k)
         k.addcmul_(s.m, co.a_m).addcmul_(s.v, co.a_v)
         if s.u is not None:
             k.addcmul_(s.u, co.a_u)

@@ -7,20 +7,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "fidelity" / "tsloo.py"
 
 
-def test_tsloo_smoke_writes_table_and_plot(tmp_path):
+@pytest.mark.parametrize("setting, stem", [("default", "tsloo"), ("trainer", "tsloo_trainer")])
+def test_tsloo_smoke_writes_table_and_plot(tmp_path, setting, stem):
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--smoke", "--setting", setting, "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    table = (tmp_path / "tsloo.md").read_text(encoding="utf-8")
-    assert (tmp_path / "tsloo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (tmp_path / f"{stem}.md").read_text(encoding="utf-8")
+    assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = dict(re.findall(r"^\| ([^|]+?) \| ([+-]\d\.\d{3}) ± \d\.\d{3} \|", table, flags=re.M))
     for method in ("Random", "Grad-Dot", "Grad-Cos", "K-FAC", "EK-FAC", "TracIn", "LESS"):
         assert method in rows, table
@@ -28,3 +31,6 @@ def test_tsloo_smoke_writes_table_and_plot(tmp_path):
     # float32 and float64 replays of a 4-step trajectory rank the removals identically
     assert float(rows["Noise ceiling (float32 vs float64 TSLOO)"]) > 0.99, table
     assert "Sign convention" in table and "Machine:" in table
+    if setting == "trainer":  # the Trainer defaults: mean loss, clip 1.0, no-decay groups
+        assert "clipped at 1.0" in table and "no-decay group" in table
+        assert "AdamW-influence (full)" in rows

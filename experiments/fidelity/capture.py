@@ -4,10 +4,13 @@ Stores under one working directory (sample identifiers = content hashes of the
 model inputs, ``hash_sample({"input_ids", "attention_mask"})``):
 
 * ``trajectory/``: raw per-sample gradients of every step (HookManager +
-  OffloadCallback), ``lr_schedule.json`` beside them; the Adam moments
-  before/after every update come from ``OptimizerStateCallback`` (returned);
+  OffloadCallback), ``lr_schedule.json`` and ``training_dynamics.json`` (each
+  update's clip coefficient and parameter groups) beside them; the Adam
+  moments before/after every update come from ``OptimizerStateCallback``
+  (returned);
 * ``trajectory_preconditioned/``: the same run with preconditioned capture
-  (``HookManager(optimizer=...)``, LESS's train side), ``lr_schedule.json``;
+  (``HookManager(optimizer=...)`` mapping each sample's own gradient, LESS's
+  train side), ``lr_schedule.json`` and ``training_dynamics.json``;
 * ``queries_final/``: query gradients at the final parameters ``θ_T``;
 * ``final_train/``: training-sample gradients at ``θ_T`` (a frozen pass, for the
   single-checkpoint methods);
@@ -27,7 +30,6 @@ from pathlib import Path
 
 import torch
 from setting import (
-    HOOKED_LAYERS,
     Data,
     Setting,
     adamw_for,
@@ -43,6 +45,7 @@ from dattri_llm import (
     HookManagerConfig,
     OffloadCallback,
     OptimizerStateCallback,
+    TrainingDynamicsCallback,
     hash_sample,
 )
 from dattri_llm.attribution.utils import write_lr_schedule
@@ -93,6 +96,11 @@ class Captured:
         """Query gradients at ``θ_step`` (before that step's update)."""
         return self.root / "queries_step" / str(step)
 
+    def clip(self, step: int) -> float:
+        """The clip coefficient the update of ``step`` applied (1 when unclipped)."""
+        update = self.dynamics[step].get("update")
+        return 1.0 if update is None else float(update["clip_coef"])
+
 
 class OptimizerBox:
     """The run's optimizer, built by ``run_trajectory`` and handed to the capture on first use."""
@@ -112,16 +120,16 @@ class OptimizerBox:
         return self.optimizer
 
 
-def hook_config() -> HookManagerConfig:
+def hook_config(setting: Setting) -> HookManagerConfig:
     """Hooks on the fine-tuned layers only."""
-    return HookManagerConfig(linear_io=HOOKED_LAYERS)
+    return HookManagerConfig(linear_io=setting.hooked_layers)
 
 
-def offloading(model: torch.nn.Module, directory: Path, **kwargs) -> HookManager:
+def offloading(model: torch.nn.Module, directory: Path, setting: Setting, **kwargs) -> HookManager:
     """A HookManager writing per-sample gradients of every backward to a fresh store."""
     store = GradientStorageManager(str(directory))
     offload = OffloadCallback(offload_interval=1, file_manager=store, recording_type="per_sample")
-    return HookManager(model, config=hook_config(), callbacks=[offload], **kwargs)
+    return HookManager(model, config=hook_config(setting), callbacks=[offload], **kwargs)
 
 
 def backward_over(model: torch.nn.Module, samples: list, batch_size: int) -> None:
@@ -177,23 +185,18 @@ def capture_trajectory(
 ) -> dict:
     """Raw per-step gradients + Adam dynamics; then queries and a frozen pass at ``θ_T``."""
     box = OptimizerBox(setting)
-    manager = offloading(model, captured.trajectory)
+    manager = offloading(model, captured.trajectory, setting)
     states = OptimizerStateCallback(model, box)
     manager.add_callback(states)
     with manager.collect(deregister_on_exit=True):
-        run_trajectory(
-            model,
-            setting,
-            data,
-            make_optimizer=box.make,
-            after_step=lambda t, _opt: states.record_post(t),
-        )
+        run_trajectory(model, setting, data, make_optimizer=box.make)
     write_lr_schedule(captured.trajectory, captured.lrs)
+    states.save(captured.trajectory)
     check_same_end(model, reference, "the raw capture run")
-    with offloading(model, captured.queries_final).collect(deregister_on_exit=True):
+    with offloading(model, captured.queries_final, setting).collect(deregister_on_exit=True):
         backward_over(model, data.queries, len(data.queries))
     start = time.perf_counter()
-    with offloading(model, captured.final_train).collect(deregister_on_exit=True):
+    with offloading(model, captured.final_train, setting).collect(deregister_on_exit=True):
         backward_over(model, data.finetune, FROZEN_BATCH)
     captured.seconds["frozen"] = time.perf_counter() - start
     return states.dynamics()
@@ -208,10 +211,14 @@ def capture_preconditioned(
 ) -> None:
     """The same run with preconditioned capture (each sample's Adam update direction)."""
     box = OptimizerBox(setting)
-    manager = offloading(model, captured.trajectory_preconditioned, optimizer=box)
+    manager = offloading(model, captured.trajectory_preconditioned, setting, optimizer=box)
+    manager.set_loss_convention(setting.loss_reduction)
+    recorder = TrainingDynamicsCallback(model, box)
+    manager.add_callback(recorder)
     with manager.collect(deregister_on_exit=True):
         run_trajectory(model, setting, data, make_optimizer=box.make)
     write_lr_schedule(captured.trajectory_preconditioned, captured.lrs)
+    recorder.save(captured.trajectory_preconditioned)
     check_same_end(model, reference, "the preconditioned capture run")
 
 
@@ -228,7 +235,7 @@ def capture_per_step_queries(
     def queries_at(step: int) -> None:
         nonlocal elapsed
         start = time.perf_counter()
-        manager = offloading(model, captured.queries_at(step))
+        manager = offloading(model, captured.queries_at(step), setting)
         manager.reset_steps(step)
         with manager.collect(deregister_on_exit=True):
             backward_over(model, data.queries, len(data.queries))

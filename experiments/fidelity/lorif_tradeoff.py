@@ -61,9 +61,9 @@ def capture_final(setting: Setting, data, start, root: Path) -> Captured:
         dynamics={},
         setting=setting,
     )
-    with offloading(model, captured.queries_final).collect(deregister_on_exit=True):
+    with offloading(model, captured.queries_final, setting).collect(deregister_on_exit=True):
         backward_over(model, data.queries, len(data.queries))
-    with offloading(model, captured.final_train).collect(deregister_on_exit=True):
+    with offloading(model, captured.final_train, setting).collect(deregister_on_exit=True):
         backward_over(model, data.finetune, FROZEN_BATCH)
     return captured
 

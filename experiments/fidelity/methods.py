@@ -4,7 +4,9 @@ Every entry returns a ``(num_train, num_query)`` float64 matrix, rows in
 fine-tuning order (``captured.train_ids``), columns in query order, with ONE
 sign convention: a positive score means the sample HELPS the query — training
 on it lowers the query loss, so removing it raises the loss. That is the sign
-of the TSLOO ground truth ``L_j(θ_T without i) − L_j(θ_T)``.
+of the TSLOO ground truth ``L_j(θ_T without i) − L_j(θ_T)``: every score is
+multiplied by its ``polarity`` (``-1`` for AdamW-influence, whose rows are the
+first-order change of the query loss when the sample is up-weighted).
 
 ``Method.charged`` names the captures in ``Captured.seconds`` that a method
 needs beyond the training run itself and is charged for (the frozen pass at
@@ -34,6 +36,7 @@ from dattri_llm import (
     LESSAttributor,
     LoRIFAttributor,
     TracInAttributor,
+    TrajectoryTracInAttributor,
 )
 
 
@@ -47,11 +50,13 @@ class Method:
 
 
 def aligned(score, captured: Captured) -> torch.Tensor:
-    """An ``AttributionScore`` as ``(num_train, num_query)``, rows summed over steps.
+    """An ``AttributionScore`` as ``(num_train, num_query)`` in the "helps" sign, rows summed
+    over steps.
 
     Training samples the score has no row for (not in the scored steps) get 0.
     """
     ids, matrix = score.agnostic_matrix()
+    matrix = matrix * score.polarity
     row_of = {sample: row for row, sample in enumerate(captured.train_ids)}
     columns = [score.test_index[q] for q in captured.query_ids]
     result = torch.zeros(len(captured.train_ids), len(captured.query_ids), dtype=torch.float64)
@@ -101,9 +106,18 @@ def kronecker(cls: type) -> Callable[[Captured], torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------- issue 15: LoRIF
-def logra_kwargs(k: int) -> dict[str, dict]:
-    """LoGRA factor projection of every layer to ``k × k`` (``d_out' = d_in' = k``)."""
-    return {"__default__": {"style": "logra", "proj_dim": k}}
+def logra_kwargs(k: int, layer_types: dict[str, str] | None = None) -> dict[str, dict]:
+    """LoGRA factor projection of every layer to ``k × k`` (``d_out' = d_in' = k``).
+
+    With ``layer_types``, one entry per layer, normalization layers (no factor
+    projection exists for them) left unprojected.
+    """
+    config = {"style": "logra", "proj_dim": k}
+    if layer_types is None:
+        return {"__default__": config}
+    from dattri_llm.gradient.ops.types import is_norm
+
+    return {name: config for name, kind in layer_types.items() if not is_norm(kind)}
 
 
 def projected_copy(source: Path, target: Path, k: int, *, low_rank: int | None, dense: bool):
@@ -114,8 +128,9 @@ def projected_copy(source: Path, target: Path, k: int, *, low_rank: int | None, 
     """
     if target.is_dir():
         return target
-    kwargs = logra_kwargs(k)
     src = GradientStorageManager(source)
+    first = src.load_records(src.locations()[0])[0].gradient
+    kwargs = logra_kwargs(k, dict(first.layer_types))
     dst = GradientStorageManager(target, low_rank=low_rank)
     dst.declare_projection(kwargs)
     for location in src.locations():
@@ -160,35 +175,34 @@ def lorif(k: int, c: int | None, r: int | None) -> Callable[[Captured], torch.Te
 
 # ---------------------------------------------------------------------------- along the trajectory
 def tracin(captured: Captured) -> torch.Tensor:
-    """``Σ_t η_t <g_i(θ_t), q_j(θ_t)>``: each step's samples against the queries at ``θ_t``."""
+    """``Σ_t η_t c_t <g_i(θ_t), q_j(θ_t)>``: each step's samples against the queries at ``θ_t``
+    (``c_t`` the clip coefficient the update applied)."""
     total = torch.zeros(len(captured.train_ids), len(captured.query_ids), dtype=torch.float64)
     for step, lr in captured.lrs.items():
         score = TracInAttributor(arguments(captured)).attribute_from_cache(
             captured.trajectory, captured.queries_at(step), selected_training_steps=[step]
         )
-        total += lr * aligned(score, captured)
+        total += lr * captured.clip(step) * aligned(score, captured)
     return total
 
 
 def tracin_final_queries(captured: Captured) -> torch.Tensor:
-    """``Σ_t η_t <g_i(θ_t), q_j(θ_T)>`` (DVEmb with ``H = 0``)."""
-    score = TracInAttributor(arguments(captured)).attribute_from_cache(
+    """``Σ_t η_t c_t <g_i(θ_t), q_j(θ_T)>`` (DVEmb with ``H = 0``), trajectory TracIn."""
+    score = TrajectoryTracInAttributor(arguments(captured)).attribute_from_cache(
         captured.trajectory, captured.queries_final
     )
-    lrs = torch.tensor([captured.lrs[s] for s in score.row_steps], dtype=score.scores.dtype)
-    score.scores = score.scores * lrs[:, None]
     return aligned(score, captured)
 
 
 def less(captured: Captured) -> torch.Tensor:
-    """``Σ_t η_t cos(Γ(z_i; θ_t), q_j(θ_t))`` (LESS with the Adam update direction ``Γ``)."""
+    """``Σ_t η_t c_t cos(Γ(z_i; θ_t), q_j(θ_t))`` (LESS with the Adam update direction ``Γ`` of
+    each sample's own gradient; ``η_t c_t`` from the run's recorded dynamics)."""
     total = torch.zeros(len(captured.train_ids), len(captured.query_ids), dtype=torch.float64)
-    for step, lr in captured.lrs.items():
+    for step in captured.lrs:
         score = LESSAttributor(arguments(captured)).attribute_from_cache(
             captured.trajectory_preconditioned,
             captured.queries_at(step),
             selected_training_steps=[step],
-            learning_rates={step: lr},
         )
         total += aligned(score, captured)
     return total
@@ -205,9 +219,8 @@ def random_baseline(captured: Captured) -> torch.Tensor:
 def adamw_influence(num_masks: int) -> Callable[[Captured], torch.Tensor]:
     """AdamW-influence (query-side sweep); ``num_masks > 1`` averages disjoint coordinate groups.
 
-    The attributor's rows are ``−qᵀ W·push(g_z)`` where ``push`` is the state
-    change when the sample is REMOVED, i.e. minus the first-order change of the
-    query loss on removal: negated here to the "helps" convention.
+    Its rows are the first-order change of the query loss when the sample is
+    up-weighted (polarity ``-1``); :func:`aligned` turns them to "helps".
     """
 
     def score(captured: Captured) -> torch.Tensor:
@@ -216,17 +229,18 @@ def adamw_influence(num_masks: int) -> Callable[[Captured], torch.Tensor]:
             captured.trajectory,
             captured.queries_final,
             dynamics=captured.dynamics,
-            loss_reduction="sum",
+            loss_reduction=captured.setting.loss_reduction,
             propagation="test",
             num_masks=num_masks,
         )
-        return ADAMW_SIGN * aligned(result, captured)
+        return aligned(result, captured)
 
     return score
 
 
 def dvemb(mode: str) -> Callable[[Captured], torch.Tensor]:
-    """DVEmb ``η_s qᵀ Π(I − η_k H_k) g`` with ``hessian_mode=mode`` (query-side sweep)."""
+    """DVEmb ``qᵀ Π(I − η_k c_k H_k) η_s c_s g`` with ``hessian_mode=mode`` (query-side sweep),
+    the rates and clip coefficients the run recorded."""
 
     def score(captured: Captured) -> torch.Tensor:
         result = attributor_class("DVEmbAttributor")(arguments(captured)).attribute_from_cache(
@@ -234,16 +248,13 @@ def dvemb(mode: str) -> Callable[[Captured], torch.Tensor]:
             captured.queries_final,
             propagation="test",
             hessian_mode=mode,
-            loss_reduction="sum",
-            learning_rate=dict(captured.lrs),
+            loss_reduction=captured.setting.loss_reduction,
+            learning_rate=None,
         )
         return aligned(result, captured)
 
     return score
 
-
-# Sign that maps AdamW-influence's rows to the "helps the query" convention (see its docstring).
-ADAMW_SIGN = -1.0
 
 FROZEN = ("frozen",)
 PER_STEP = ("per_step_queries",)
@@ -254,7 +265,9 @@ METHODS: dict[str, Method] = {
     "K-FAC": Method(kronecker(KFACAttributor), FROZEN, "θ_T"),
     "EK-FAC": Method(kronecker(EKFACAttributor), FROZEN, "θ_T"),
     "TracIn": Method(tracin, PER_STEP, "η_t-weighted, queries at each θ_t"),
-    "TracIn (θ_T queries)": Method(tracin_final_queries, (), "η_t-weighted = DVEmb with H=0"),
+    "TracIn (θ_T queries)": Method(
+        tracin_final_queries, (), "TrajectoryTracInAttributor: η_t c_t-weighted = DVEmb with H=0"
+    ),
     "LESS": Method(less, PER_STEP, "η_t-weighted cosine, queries at each θ_t"),
     "AdamW-influence (full)": Method(adamw_influence(1)),
     "AdamW-influence (8 masks)": Method(

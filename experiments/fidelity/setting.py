@@ -11,6 +11,14 @@ Loss convention: a batch's training loss is the SUM of its sequences' losses
 therefore removes exactly its term and leaves the other samples' weights
 unchanged, which is the perturbation the first-order methods model
 (``loss_reduction="sum"`` for the trajectory methods).
+
+The "trainer defaults" setting (:data:`TRAINER`) trains as a Hugging Face
+``Trainer`` does by default: the batch loss is the MEAN over the batch, the
+global gradient norm is clipped at 1.0 (active on most steps), weight decay 0.1
+goes to the weights only (biases and LayerNorm weights in a no-decay group, the
+LayerNorms trained and hooked too), warm-up then linear decay. Removing a
+sample sets its term's weight to 0 and keeps the batch's divisor ``B``: the
+perturbation the methods' ``loss_reduction="mean"`` models.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from quickstart_corpus import CORPUS, QUERIES  # noqa: E402
 Batch = dict[str, torch.Tensor]
 # Fine-tuned (and hooked) layers: every Conv1D of the transformer blocks and the LM head.
 HOOKED_LAYERS = [r"\.(c_attn|c_proj|c_fc)$", r"^lm_head$"]
+# The trainer setting also trains the LayerNorms (no weight decay on their weights).
+NORM_LAYERS = [r"\.ln_(1|2)$", r"^transformer\.ln_f$"]
 
 
 @dataclass(frozen=True)
@@ -56,12 +66,22 @@ class Setting:
     num_queries: int = 32
     num_removed: int = 64
     removed_seed: int = 1
+    name: str = "default"
+    loss_reduction: str = "sum"
+    max_grad_norm: float | None = None
+    no_decay: bool = False  # biases and LayerNorm weights without weight decay
+    train_norms: bool = False
 
     @property
     def num_steps(self) -> int:
         """Fine-tuning optimizer steps ``T``."""
         per_epoch = -(-self.num_finetune // self.finetune_batch)
         return per_epoch * self.finetune_epochs
+
+    @property
+    def hooked_layers(self) -> list[str]:
+        """Patterns of the fine-tuned (and hooked) layers."""
+        return HOOKED_LAYERS + (NORM_LAYERS if self.train_norms else [])
 
 
 SMOKE = Setting(
@@ -74,6 +94,16 @@ SMOKE = Setting(
     n_layer=1,
     n_head=2,
 )
+TRAINER_DEFAULTS = {
+    "name": "trainer",
+    "weight_decay": 0.1,
+    "loss_reduction": "mean",
+    "max_grad_norm": 1.0,
+    "no_decay": True,
+    "train_norms": True,
+}
+TRAINER = Setting(**TRAINER_DEFAULTS)
+TRAINER_SMOKE = Setting(**{**SMOKE.__dict__, **TRAINER_DEFAULTS})
 
 
 @dataclass
@@ -177,8 +207,8 @@ def pretrain(model: torch.nn.Module, setting: Setting, data: Data) -> None:
             optimizer.step()
 
 
-def finetuned_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Freeze everything but the hooked layers (block Conv1Ds, LM head); return those params.
+def finetuned_parameters(model: torch.nn.Module, setting: Setting) -> list[torch.nn.Parameter]:
+    """Freeze everything but the hooked layers; return those params.
 
     The methods see exactly the parameters that move, so a gap to the ground
     truth is the method's, not a coverage gap.
@@ -187,7 +217,7 @@ def finetuned_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
     params = []
     for name, module in model.named_modules():
-        hooked = any(re.search(p, name) for p in HOOKED_LAYERS)
+        hooked = any(re.search(p, name) for p in setting.hooked_layers)
         for param in module.parameters(recurse=False):
             param.requires_grad_(hooked)
             if hooked:
@@ -238,7 +268,7 @@ def run_trajectory(
     the step's backward (and may call backward itself: gradients are zeroed
     after it); ``after_step(t, optimizer)`` after ``optimizer.step()``.
     """
-    params = finetuned_parameters(model)
+    params = finetuned_parameters(model, setting)
     optimizer = (make_optimizer or adamw_for(setting))(params)
     model.train()
     for t, (indices, lr) in enumerate(zip(batch_order(setting), lr_schedule(setting))):
@@ -253,24 +283,37 @@ def run_trajectory(
             if removed in kept:
                 weights = [removed_weight if i == removed else 1.0 for i in kept]
                 losses = losses * torch.tensor(weights, dtype=losses.dtype)
-            losses.sum().backward()
+            batch_loss(losses, len(indices), setting).backward()
+            if setting.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, setting.max_grad_norm)
             optimizer.step()
         if after_step is not None:
             after_step(t, optimizer)
     return optimizer
 
 
+def batch_loss(losses: torch.Tensor, batch_size: int, setting: Setting) -> torch.Tensor:
+    """The batch loss: the sum of ``losses``, or over ``batch_size`` for a mean loss (a removed
+    sample keeps its place in the divisor)."""
+    total = losses.sum()
+    return total / batch_size if setting.loss_reduction == "mean" else total
+
+
 def adamw_for(setting: Setting) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
-    """The fine-tuning optimizer factory (AdamW with the setting's hyperparameters)."""
+    """The fine-tuning optimizer factory (AdamW with the setting's hyperparameters).
+
+    With ``no_decay`` the 1-D parameters (biases, LayerNorm weights) form a
+    second group without weight decay, as the Hugging Face ``Trainer`` builds it.
+    """
 
     def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            params,
-            lr=setting.peak_lr,
-            betas=setting.betas,
-            eps=setting.eps,
-            weight_decay=setting.weight_decay,
-        )
+        groups: list[dict] = [{"params": params, "weight_decay": setting.weight_decay}]
+        if setting.no_decay:
+            groups = [
+                {"params": [p for p in params if p.ndim > 1], "weight_decay": setting.weight_decay},
+                {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+            ]
+        return torch.optim.AdamW(groups, lr=setting.peak_lr, betas=setting.betas, eps=setting.eps)
 
     return make
 

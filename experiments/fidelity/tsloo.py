@@ -13,9 +13,11 @@
 6. Noise ceiling: the same statistic between the float32 ground truth and a
    float64 replay of the whole protocol (see README.md).
 
-Writes ``results/tsloo.md`` and ``results/tsloo.png`` (``--out DIR``).
+Writes ``results/tsloo.md`` and ``results/tsloo.png`` (``--out DIR``); with
+``--setting trainer`` (the Hugging Face ``Trainer`` defaults: mean loss, clip
+1.0, no-decay biases and norms) ``results/tsloo_trainer.{md,png}``.
 
-Run:  python experiments/fidelity/tsloo.py [--smoke] [--out DIR]
+Run:  python experiments/fidelity/tsloo.py [--setting trainer] [--smoke] [--out DIR]
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capture import capture_all  # noqa: E402
 from methods import METHODS, NEEDS, exported, unavailable  # noqa: E402
 from setting import (  # noqa: E402
-    HOOKED_LAYERS,
     SMOKE,
+    TRAINER,
+    TRAINER_SMOKE,
     Data,
     Setting,
     finetuned_parameters,
@@ -86,7 +89,7 @@ def fresh_model(
     model = make_model(setting, data.vocab_size)
     model.load_state_dict(start)
     model.to(dtype)
-    finetuned_parameters(model)
+    finetuned_parameters(model, setting)
     return model
 
 
@@ -143,7 +146,8 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
     """``tsloo.md``: settings, the fidelity table, what was skipped."""
     s: Setting = info["setting"]
     lines = [
-        "# TSLOO fidelity (CPU scale)",
+        "# TSLOO fidelity (CPU scale)"
+        + (" — Hugging Face Trainer defaults" if s.name == "trainer" else ""),
         "",
         f"- Date: {datetime.date.today().isoformat()}",
         f"- Machine: {info['machine']}",
@@ -157,10 +161,28 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         f"- Trajectory: {s.num_steps} AdamW steps (batch {s.finetune_batch}, "
         f"{s.num_finetune} fine-tuning sentences, {s.finetune_epochs} epoch(s), seeded order), "
         f"peak lr {s.peak_lr} with {max(1, round(s.warmup_fraction * s.num_steps))}-step warm-up "
-        f"then linear decay, betas {s.betas}, eps {s.eps}, weight decay {s.weight_decay}; "
-        f"trained (and hooked): `{'`, `'.join(HOOKED_LAYERS)}` "
-        f"({info['num_params']} parameters); embeddings and LayerNorms frozen. "
-        "Batch loss = sum of per-sentence mean token losses.",
+        f"then linear decay, betas {s.betas}, eps {s.eps}, weight decay {s.weight_decay}"
+        + (
+            " on weights only (biases and LayerNorm weights in a no-decay group)"
+            if s.no_decay
+            else " on every trained parameter"
+        )
+        + (
+            f", global gradient norm clipped at {s.max_grad_norm} (active on "
+            f"{info['clipped_steps']} of {s.num_steps} steps)"
+            if s.max_grad_norm
+            else ", no clipping"
+        )
+        + f"; trained (and hooked): `{'`, `'.join(s.hooked_layers)}` "
+        f"({info['num_params']} parameters); embeddings"
+        + ("" if s.train_norms else " and LayerNorms")
+        + " frozen. "
+        + (
+            "Batch loss = mean over the batch of per-sentence mean token losses; removing a "
+            "sample zeroes its term and keeps the divisor."
+            if s.loss_reduction == "mean"
+            else "Batch loss = sum of per-sentence mean token losses."
+        ),
         f"- TSLOO: {len(info['removed'])} leave-one-out replays (fine-tuning samples "
         f"{info['removed_desc']}), {info['num_queries']} held-out queries; "
         f"ground truth Δ = L(θ_T without i) − L(θ_T), mean |Δ| = {info['mean_abs_delta']:.2e}.",
@@ -202,12 +224,17 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         "that were exact (every coordinate, the true Hessians, the exact AdamW maps) would "
         "score this; the gap to 1 is the Taylor error of removing a whole sample.",
     ]
-    path = out / "tsloo.md"
+    path = out / f"{stem(s)}.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
 
-def write_plot(rows: list[dict], out: Path) -> Path:
+def stem(setting: Setting) -> str:
+    """File stem of a setting's results: ``tsloo`` or ``tsloo_<name>``."""
+    return "tsloo" if setting.name == "default" else f"tsloo_{setting.name}"
+
+
+def write_plot(rows: list[dict], out: Path, setting: Setting) -> Path:
     """``tsloo.png``: fidelity against attribution time (log x); references as dashed lines.
 
     The references are the rows without a time (ceiling, first-order limit) and the
@@ -236,7 +263,7 @@ def write_plot(rows: list[dict], out: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     fig.tight_layout()
-    path = out / "tsloo.png"
+    path = out / f"{stem(setting)}.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -307,6 +334,7 @@ def run(setting: Setting, out: Path) -> Path:
         )
         capture_time = time.perf_counter() - t
         rows = score_methods(captured, truth, data.removed)
+        clip_coefficients = [captured.clip(step) for step in sorted(captured.dynamics)]
     rows.append(
         {
             "name": "Noise ceiling (float32 vs float64 TSLOO)",
@@ -336,28 +364,35 @@ def run(setting: Setting, out: Path) -> Path:
         "capture": capture_time,
         "vocab": data.vocab_size,
         "num_pretrain": len(data.pretrain),
-        "num_params": sum(p.numel() for p in finetuned_parameters(reference_model)),
+        "num_params": sum(p.numel() for p in finetuned_parameters(reference_model, setting)),
         "removed": removed,
         "removed_desc": "all" if len(removed) == setting.num_finetune else f"{removed}",
         "num_queries": len(data.queries),
         "mean_abs_delta": float(truth.abs().mean()),
         "bitwise": bitwise,
+        "clipped_steps": sum(captured_clip < 1.0 for captured_clip in clip_coefficients),
         "skipped": unavailable(),
         "unexported": sorted({n for n in NEEDS.values() if not exported(n)}),
     }
     table = write_table(rows, info, out)
-    write_plot(rows, out)
-    print(f"wrote {table} and {out / 'tsloo.png'} in {info['total']:.0f} s")
+    plot = write_plot(rows, out, setting)
+    print(f"wrote {table} and {plot} in {info['total']:.0f} s")
     return table
 
 
 def main(argv: list[str] | None = None) -> Path:
-    """Parse ``--smoke`` / ``--out`` and run."""
+    """Parse ``--setting`` / ``--smoke`` / ``--out`` and run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--setting", choices=["default", "trainer"], default="default",
+        help="trainer: the Hugging Face Trainer defaults (mean loss, clip 1.0, no-decay groups)",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="smallest setting (for the test)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the results")
     args = parser.parse_args(argv)
-    return run(SMOKE if args.smoke else Setting(), args.out)
+    settings = {("default", False): Setting(), ("default", True): SMOKE,
+                ("trainer", False): TRAINER, ("trainer", True): TRAINER_SMOKE}  # fmt: skip
+    return run(settings[args.setting, args.smoke], args.out)
 
 
 if __name__ == "__main__":

@@ -608,3 +608,38 @@ def test_train_side_adamw_summary_is_sized_before_the_sweep(tmp_path, monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         attributor.attribute_from_cache(train, test, dynamics=state.dynamics(), propagation="test")
+
+
+def test_collect_around_each_backward_still_records_the_steps(tmp_path):
+    """A loop that opens ``collect()`` around each backward and steps outside it."""
+    from dattri_llm import TrainingDynamicsCallback
+
+    records = []
+    for per_backward in (False, True):
+        torch.manual_seed(0)
+        model = MLP()
+        optimizer = adamw()(model, 0.05)
+        recorder = TrainingDynamicsCallback(model, optimizer)
+        hm = HookManager(model, config=HookManagerConfig(linear_io=list(LAYERS)),
+                         callbacks=[recorder])  # fmt: skip
+        windows = windows_of(data(8, 1), 2, 1)
+        whole = hm.collect() if not per_backward else None
+        if whole is not None:
+            whole.__enter__()
+        for (batch,) in windows:
+            optimizer.zero_grad()
+            if per_backward:
+                with hm.collect():
+                    batch_loss("sum")(model, batch).backward()
+            else:
+                batch_loss("sum")(model, batch).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        if whole is not None:
+            whole.__exit__(None, None, None)
+        hm.remove()
+        records.append(recorder.updates)
+    assert sorted(records[0]) == sorted(records[1]) == [0, 1, 2, 3]
+    for step in range(4):
+        assert records[0][step]["clip_coef"] == pytest.approx(records[1][step]["clip_coef"])
+        assert records[1][step]["clip_coef"] < 1

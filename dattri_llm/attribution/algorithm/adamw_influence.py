@@ -47,7 +47,12 @@ import torch
 
 from dattri_llm.attribution.algorithm.trajectory import RunDynamics, TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory.folds import ADAMW_OPTIMIZERS, AdamWFold
-from dattri_llm.attribution.algorithm.trajectory.sweep import TrajectorySweep, swept_windows
+from dattri_llm.attribution.algorithm.trajectory.sweep import (
+    LOSS_REDUCTIONS,
+    TrajectorySweep,
+    check_choice,
+    swept_windows,
+)
 from dattri_llm.gradient.callbacks.optimizer_state_callback import OptimizerStateCallback
 from dattri_llm.gradient.callbacks.training_dynamics_callback import load_training_dynamics
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
@@ -251,7 +256,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
                     "AdamWInfluenceAttributor.cache"
                 )
             return torch.load(path, map_location="cpu", weights_only=True)
-        snapshots = _snapshots_of(train)
+        snapshots = TrajectoryAttributor.snapshots_of(train)
         if snapshots is not None:
             return LazyDynamics(snapshots)
         directory = TrajectoryAttributor.train_dir_of(train)
@@ -511,32 +516,11 @@ def _check_entries(entries: Mapping[int, dict], windows: list) -> None:
         )
 
 
-_OPTIONS = ("loss_reduction", "num_masks")
-
-
 def _check_options(options: Mapping[str, Any]) -> None:
     """``ValueError`` for a bad ``loss_reduction`` or ``num_masks`` (before any work)."""
-    from dattri_llm.attribution.algorithm.trajectory import LOSS_REDUCTIONS
-
-    reduction = options.get("loss_reduction", "mean")
-    if reduction not in LOSS_REDUCTIONS:
-        raise ValueError(
-            f"loss_reduction must be one of {list(LOSS_REDUCTIONS)}, got {reduction!r}"
-        )
+    check_choice("loss_reduction", options.get("loss_reduction", "mean"), LOSS_REDUCTIONS)
     if "num_masks" in options:
         check_num_masks(options["num_masks"])
-
-
-def _snapshots_of(train: object) -> TrajectorySnapshots | None:
-    """The snapshot store of a train source (store, its directory, or a replay), else ``None``."""
-    if isinstance(train, TrajectorySnapshots):
-        return train
-    if isinstance(train, (str, Path)) and TrajectorySnapshots.is_snapshot_dir(
-        Path(train).expanduser()
-    ):
-        return TrajectorySnapshots(Path(train).expanduser())
-    snapshots = getattr(train, "snapshots", None)
-    return snapshots if isinstance(snapshots, TrajectorySnapshots) else None
 
 
 __all__ = [

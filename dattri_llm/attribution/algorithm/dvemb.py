@@ -40,7 +40,11 @@ import torch
 from dattri_llm.attribution import utils as attribution_utils
 from dattri_llm.attribution.algorithm.trajectory import LOSS_REDUCTIONS, TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory.folds import DVEmbFold
-from dattri_llm.attribution.algorithm.trajectory.sweep import Emission, TrajectorySweep
+from dattri_llm.attribution.algorithm.trajectory.sweep import (
+    Emission,
+    TrajectorySweep,
+    check_choice,
+)
 from dattri_llm.attribution.base import _check_dataset, fresh_store
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.snapshots import TrajectorySnapshots
@@ -68,10 +72,10 @@ def layer_groups(hessian_mode: str):
     if hessian_mode == "full":
         return lambda layout: [None]
 
-    def per_layer(layout: dict[str, int]) -> list[torch.Tensor]:
+    def per_layer(layout: dict[str, int]) -> list[slice]:
         bounds, offset = [], 0
         for width in layout.values():
-            bounds.append(torch.arange(offset, offset + width))
+            bounds.append(slice(offset, offset + width))
             offset += width
         return bounds
 
@@ -401,12 +405,8 @@ def _check_options(
 ) -> None:
     """``ValueError`` for any option DVEmb refuses."""
     TrajectoryAttributor.validate_propagation(propagation, loop_over_test)
-    for name, value, choices in (
-        ("hessian_mode", hessian_mode, HESSIAN_MODES),
-        ("loss_reduction", loss_reduction, LOSS_REDUCTIONS),
-    ):
-        if value not in choices:
-            raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    check_choice("hessian_mode", hessian_mode, HESSIAN_MODES)
+    check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
     if dvemb_dir is not None and propagation != "train":
         raise ValueError(
             "dvemb_dir stores the train-side embeddings, which only propagation='train' "

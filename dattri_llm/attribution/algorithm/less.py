@@ -36,6 +36,7 @@ import torch
 from dattri_llm.attribution import utils as attribution_utils
 from dattri_llm.attribution.algorithm.tracin import COSINE_EPS
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
+from dattri_llm.attribution.algorithm.trajectory.sweep import LOSS_REDUCTIONS, check_choice
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.gradient.callbacks.training_dynamics_callback import (
     TrainingDynamicsCallback,
@@ -294,7 +295,7 @@ class LESSAttributor(BaseInnerProductAttributor):
         ``loss_reduction``: how the train loss reduces over a batch (``"mean"``
         or ``"sum"``), so the map sees each sample's own gradient.
         """
-        self._loss_reduction = _checked_reduction(loss_reduction)
+        self._loss_reduction = check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
         if not enable_update:
             self._check_frozen_form()
         return super().cache(train_dataset, test_dataset, enable_update=enable_update, **kwargs)
@@ -319,7 +320,7 @@ class LESSAttributor(BaseInnerProductAttributor):
         index (frozen); ``algorithm_meta["learning_rates"]`` holds the frozen
         form's ``{k: w_k}``. ``loss_reduction`` as in :meth:`cache`.
         """
-        self._loss_reduction = _checked_reduction(loss_reduction)
+        self._loss_reduction = check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
         extra: dict[str, Any] = {"loss_reduction": loss_reduction}
         if not enable_update:
             self.require_task("attribute")
@@ -420,12 +421,6 @@ class LESSAttributor(BaseInnerProductAttributor):
             path = train_store.save_dir / attribution_utils.LR_SCHEDULE_FILE
             return _steps_table(f"the schedule {str(path)!r}", schedule), "lr_schedule"
         return _constant(1.0), "unit"
-
-
-def _checked_reduction(loss_reduction: str) -> str:
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction must be one of ['mean', 'sum'], got {loss_reduction!r}")
-    return loss_reduction
 
 
 def _recorded_run(store: GradientStorageManager) -> RunDynamics | None:

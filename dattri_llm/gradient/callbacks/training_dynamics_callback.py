@@ -130,9 +130,11 @@ class TrainingDynamicsCallback(HookManagerCallback):
 
     Attach it to the ``HookManager`` that captures the run. It registers global
     optimizer step hooks at the first captured backward and removes them when
-    the ``collect()`` context ends; only the optimizer that holds the captured
-    layers' parameters is recorded. Records are keyed by the capture step of
-    the window's last backward: ``updates[step]``.
+    the ``collect()`` context ends (or, when backwards are still waiting for
+    their step, after that step: a loop may open ``collect()`` around each
+    backward only); only the optimizer that holds the captured layers'
+    parameters is recorded. Records are keyed by the capture step of the
+    window's last backward: ``updates[step]``.
 
     Args:
         model: the trained model (wrapped or not).
@@ -192,6 +194,7 @@ class TrainingDynamicsCallback(HookManagerCallback):
         self._backward_grad: torch.Tensor | None = None
         self._pending: dict | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._closing = False
         self._snapshot: OptimizerSnapshot | None = None
         self._warned: set[str] = set()
 
@@ -243,6 +246,7 @@ class TrainingDynamicsCallback(HookManagerCallback):
         """
         if not self.model.training:
             return
+        self._closing = False
         self._ensure_hooks()
         scale = self._loss_scale()
         if self._window and scale < self._window_scale:
@@ -263,17 +267,18 @@ class TrainingDynamicsCallback(HookManagerCallback):
         self._backward_grad = None if grad is None else grad.detach().clone()
 
     def on_context_end(self) -> None:
-        """Remove the optimizer hooks; a window never stepped is reported, not recorded."""
+        """Remove the optimizer hooks, or, while backwards wait for their step (a loop that
+        opens ``collect()`` around each backward only), after that step."""
+        if self._window:
+            self._closing = True
+        else:
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._window:
-            self._warn_once(
-                "unstepped",
-                f"TrainingDynamicsCallback: capture steps {self._window} were not followed by an "
-                "optimizer.step() inside the collect() context; no update records them",
-            )
-            self._reset_window()
+        self._closing = False
 
     def _ensure_hooks(self) -> None:
         if not self._handles:
@@ -313,6 +318,8 @@ class TrainingDynamicsCallback(HookManagerCallback):
         last = pending["steps"][-1]
         self.updates[last] = pending
         self._reset_window()
+        if self._closing:
+            self._remove_hooks()
         self.on_update(last, pending)
 
     def on_update(self, step: int, update: dict) -> None:

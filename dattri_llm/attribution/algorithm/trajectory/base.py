@@ -374,9 +374,17 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         return RunScope(run, windows, swept, output_steps, final_step)
 
     @staticmethod
+    def snapshots_of(train_source: object) -> TrajectorySnapshots | None:
+        """The snapshot store of a train source (the store, its directory, or a replay)."""
+        snapshots = _as_snapshots(train_source)
+        if snapshots is None:
+            snapshots = getattr(train_source, "snapshots", None)
+        return snapshots if isinstance(snapshots, TrajectorySnapshots) else None
+
+    @staticmethod
     def is_replay(train_source: object) -> bool:
         """Whether ``train_source`` is a snapshot store (or its directory, or a replay)."""
-        return _as_snapshots(train_source) is not None or hasattr(train_source, "snapshots")
+        return TrajectoryAttributor.snapshots_of(train_source) is not None
 
     def _merged_windows(self, train_source: object) -> bool:
         """Whether a gradient store holds one merged record per optimizer update."""

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
-from dattri_llm.attribution.algorithm.trajectory.sweep import Fold, WindowRows, select
+from dattri_llm.attribution.algorithm.trajectory.sweep import Columns, Fold, WindowRows, select
 from dattri_llm.gradient.ops.optimizer import adam_preconditioner
 
 ADAMW_OPTIMIZERS = ("Adam", "AdamW")
@@ -51,7 +51,7 @@ class TracInFold(Fold):
         self,
         summary: torch.Tensor,
         rows: WindowRows,
-        columns: torch.Tensor | None,
+        columns: Columns,
         *,
         emit: bool,
         fold: bool,
@@ -74,7 +74,7 @@ class DVEmbFold(Fold):
         self,
         summary: list[torch.Tensor],
         rows: WindowRows,
-        columns: torch.Tensor | None,
+        columns: Columns,
         *,
         emit: bool,
         fold: bool,
@@ -155,7 +155,7 @@ class AdamWFold(Fold):
         self,
         summary: _AdamSummary,
         rows: WindowRows,
-        columns: torch.Tensor | None,
+        columns: Columns,
         *,
         emit: bool,
         fold: bool,
@@ -191,7 +191,7 @@ class AdamWFold(Fold):
         if co.l2 is not None:
             s.theta.addcmul_(k, co.l2)
 
-    def _coefficients(self, rows: WindowRows, columns: torch.Tensor | None) -> _AdamCoefficients:
+    def _coefficients(self, rows: WindowRows, columns: Columns) -> _AdamCoefficients:
         def value(key: str) -> torch.Tensor:
             return select(rows.values(key), columns)
 
@@ -231,7 +231,7 @@ class AdamWFold(Fold):
 def _moments(
     entry: Mapping[str, Any] | None,
     rows: WindowRows,
-    columns: torch.Tensor | None,
+    columns: Columns,
     amsgrad: bool,
 ) -> dict[str, torch.Tensor]:
     """``m_pre, m_post, v_post`` (and ``u_pre, u_post``) on the group's columns of the layout.

@@ -46,6 +46,13 @@ PROPAGATIONS = ("train", "test")
 SUMMARY_WARN_BYTES = 2 * 1024**3
 
 
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``, else ``ValueError`` naming the option."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
 # ---------------------------------------------------------------------------- one update's rows
 @dataclass
 class WindowRows:
@@ -110,7 +117,7 @@ class Fold(ABC):
         self,
         summary: Any,
         rows: WindowRows,
-        columns: torch.Tensor | None,
+        columns: Columns,
         *,
         emit: bool,
         fold: bool,
@@ -128,9 +135,21 @@ class Fold(ABC):
         """Refuse what the fold cannot model in ``run`` (before any pass); no-op."""
 
 
-def select(values: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
-    """``values[..., columns]`` (all when ``None``)."""
+Columns = torch.Tensor | slice | None
+
+
+def select(values: torch.Tensor, columns: Columns) -> torch.Tensor:
+    """``values[..., columns]``: all when ``None``, a view for a ``slice``, a copy for indices."""
     return values if columns is None else values[..., columns]
+
+
+def group_width(columns: Columns, width: int) -> int:
+    """Coordinates a group selects out of ``width``."""
+    if columns is None:
+        return width
+    if isinstance(columns, slice):
+        return len(range(*columns.indices(width)))
+    return columns.numel()
 
 
 # ---------------------------------------------------------------------------- reading rows
@@ -222,13 +241,10 @@ class TrajectorySweep:
         dtype: torch.dtype = torch.float32,
         loss_reduction: str = "mean",
         learning_rates: Mapping[int, float] | None = None,
-        groups: Callable[[dict[str, int]], list[torch.Tensor | None]] | None = None,
+        groups: Callable[[dict[str, int]], list[Columns]] | None = None,
         progress: Callable[[list[Window]], Iterable[Window]] | None = None,
     ) -> None:
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(
-                f"loss_reduction must be one of {list(LOSS_REDUCTIONS)}, got {loss_reduction!r}"
-            )
+        check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
         self.fold, self.run = fold, run
         self.device, self.dtype = device, dtype
         self.loss_reduction = loss_reduction
@@ -298,10 +314,7 @@ class TrajectorySweep:
         Query side: ``(B, n_test)`` rows. Train side: ``(B, p)`` embeddings (the
         rows before the queries; ``queries`` may then be ``None``).
         """
-        if propagation not in PROPAGATIONS:
-            raise ValueError(
-                f"propagation must be one of {list(PROPAGATIONS)}, got {propagation!r}"
-            )
+        check_choice("propagation", propagation, PROPAGATIONS)
         if queries is None and propagation == "test":
             raise ValueError("the query-side sweep needs queries")
         swept = swept_windows(windows, emitted)
@@ -344,19 +357,18 @@ class TrajectorySweep:
             self._warn_if_large(groups, width)
         summaries = []
         for columns in groups:
-            size = width if columns is None else columns.numel()
-            initial = (
-                torch.eye(size, dtype=self.dtype, device=self.device)
-                if propagation == "train"
-                else select(q, columns).clone()
-            )
+            if propagation == "train":
+                size = group_width(columns, width)
+                initial = torch.eye(size, dtype=self.dtype, device=self.device)
+            else:  # q is this sweep's own: one group may take it as it is
+                initial = q if columns is None else select(q, columns).clone()
             summaries.append(self.fold.start(initial))
-        columns = [None if c is None else c.to(self.device) for c in groups]
+        columns = [c.to(self.device) if isinstance(c, torch.Tensor) else c for c in groups]
         return _State(layout, columns, summaries, propagation)
 
-    def _warn_if_large(self, groups: list[torch.Tensor | None], width: int) -> None:
+    def _warn_if_large(self, groups: list[Columns], width: int) -> None:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        sizes = [width if c is None else c.numel() for c in groups]
+        sizes = [group_width(c, width) for c in groups]
         total = sum(self.fold.summary_bytes(n, n, itemsize) for n in sizes)
         if total > SUMMARY_WARN_BYTES:
             warnings.warn(
@@ -512,7 +524,7 @@ class _Read:
 @dataclass
 class _State:
     layout: dict[str, int]
-    columns: list[torch.Tensor | None]
+    columns: list[Columns]
     summaries: list[Any]
     propagation: str
 

@@ -165,6 +165,7 @@ def args_for(tmp_path, **kwargs):
     "name, optimizer_fn, reduction, accumulation",
     [
         ("adamw-sum", adamw(), "sum", 1),
+        ("unclipped", adamw(), "none", 1),
         ("adamw-mean", adamw(), "mean", 1),
         ("adam-l2", adam(weight_decay=0.1), "sum", 1),
         ("amsgrad", adamw(amsgrad=True), "sum", 1),
@@ -178,16 +179,23 @@ def args_for(tmp_path, **kwargs):
 def test_adamw_influence_hand_loop(
     tmp_path, name, optimizer_fn, reduction, accumulation, propagation
 ):
+    max_norm = None if reduction == "none" else 1.0
+    reduction = "sum" if reduction == "none" else reduction
     model, train, test, run, state, queries = capture_hand_loop(
         tmp_path,
         optimizer_fn=optimizer_fn,
         reduction=reduction,
         accumulation=accumulation,
         n=12,
+        max_norm=max_norm,
     )
     reference = Reference(model, sample_loss, run, queries)
     clipped = [reference.clip_coef(t) < 1 for t in range(len(run.updates))]
-    assert sum(clipped) >= len(clipped) // 2, "the clip must be active on most updates"
+    if max_norm is None:
+        assert not any(clipped)
+        assert all(u["clip_coef"] == pytest.approx(1.0) for u in state.updates.values())
+    else:
+        assert sum(clipped) >= len(clipped) // 2, "the clip must be active on most updates"
     attributor = AdamWInfluenceAttributor(args_for(tmp_path))
     score = attributor.attribute_from_cache(
         train, test, dynamics=state.dynamics(), loss_reduction=reduction, propagation=propagation
@@ -643,3 +651,106 @@ def test_collect_around_each_backward_still_records_the_steps(tmp_path):
     for step in range(4):
         assert records[0][step]["clip_coef"] == pytest.approx(records[1][step]["clip_coef"])
         assert records[1][step]["clip_coef"] < 1
+
+
+def test_adamw_influence_accelerate_loop(tmp_path):
+    """An accelerate loop: ``accumulate`` (loss divided by 2, the step skipped on the first
+    micro-batch), ``accelerator.clip_grad_norm_``, the wrapped optimizer."""
+    accelerate = pytest.importorskip("accelerate")
+    from trajectory_reference import Run, Update, optimizer_values, snapshot
+
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = adamw()(model, 0.05)
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    names = [n for n, _ in model.named_parameters()]
+    ids = {id(p): n for n, p in model.named_parameters()}
+    store = GradientStorageManager(tmp_path / "train")
+    state = OptimizerStateCallback(model, optimizer, gradient_accumulation_steps=2)
+    hm = HookManager(model, config=HookManagerConfig(linear_io=list(LAYERS)),
+                     callbacks=[OffloadCallback(1, store), state])  # fmt: skip
+    micro = [stack(data(12, 1)[i : i + 2]) for i in range(0, 12, 2)]
+    updates, window = [], []
+    with hm.collect():
+        for batch in micro:
+            if not window:
+                theta = snapshot(model, names)
+            window.append(batch)
+            with accelerator.accumulate(model):
+                accelerator.backward(batch_loss("mean")(model, batch))
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                    hyper = optimizer_values(optimizer.optimizer, ids, len(updates) + 1)
+                optimizer.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                updates.append(Update(theta, window, hyper))
+                window = []
+    hm.remove()
+    run = Run(updates, snapshot(model, names), names, 2, "mean", 1.0)
+    queries = GradientStorageManager(tmp_path / "test")
+    test_batch = stack(data(3, 2))
+    with HookManager(
+        model,
+        config=HookManagerConfig(linear_io=list(LAYERS)),
+        callbacks=[OffloadCallback(1, queries)],
+    ).collect(deregister_on_exit=True):
+        batch_loss("sum")(model, test_batch).backward()  # fmt: skip
+    reference = Reference(model, sample_loss, run, test_batch)
+    assert sum(reference.clip_coef(t) < 1 for t in range(len(updates))) >= 2
+    score = AdamWInfluenceAttributor(args_for(tmp_path)).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", dynamics=state.dynamics(), loss_reduction="mean"
+    )
+    assert_rows(score, reference.split(reference.adamw()))
+
+
+def test_recorder_measures_the_clip_and_leaves_out_a_skipped_step(tmp_path):
+    """The recorded ``c`` equals ``min(1, M/(‖G‖+1e-6))``; an update a ``GradScaler`` skips
+    (an inf gradient) records no window, and its rows are left out with a warning."""
+    from dattri_llm import TrainingDynamicsCallback
+
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = adamw()(model, 0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    recorder = TrainingDynamicsCallback(model, optimizer, grad_scaler=scaler)
+    store = GradientStorageManager(tmp_path / "train")
+    hm = HookManager(model, config=HookManagerConfig(linear_io=list(LAYERS)),
+                     callbacks=[OffloadCallback(1, store), recorder])  # fmt: skip
+    batches = [stack(data(8, 1)[i : i + 2]) for i in range(0, 8, 2)]
+    norms = []
+    with hm.collect():
+        for step, batch in enumerate(batches):
+            optimizer.zero_grad()
+            loss = batch_loss("sum")(model, batch)
+            if step == 2:
+                loss = loss * float("inf")  # an overflow: the scaler skips this update
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            scaler.step(optimizer)
+            scaler.update()
+    hm.remove()
+    recorder.save(tmp_path / "train")
+    assert sorted(recorder.updates) == [0, 1, 3] and recorder.skipped_steps == [2]
+    for step in (0, 1, 3):
+        want = min(1.0, 1.0 / (norms[step] + 1e-6))
+        assert recorder.updates[step]["clip_coef"] == pytest.approx(want, rel=1e-5)
+        assert recorder.updates[step]["row_scale"] in (2.0**8, 2.0**7)
+    queries = GradientStorageManager(tmp_path / "test")
+    with HookManager(
+        model,
+        config=HookManagerConfig(linear_io=list(LAYERS)),
+        callbacks=[OffloadCallback(1, queries)],
+    ).collect(deregister_on_exit=True):
+        batch_loss("sum")(model, stack(data(2, 2))).backward()  # fmt: skip
+    from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
+
+    with pytest.warns(
+        UserWarning, match=r"store steps \[2\] belong to no recorded optimizer update"
+    ):
+        score = TrajectoryTracInAttributor(args_for(tmp_path)).attribute_from_cache(
+            tmp_path / "train", tmp_path / "test"
+        )
+    assert sorted(set(score.row_steps)) == [0, 1, 3]

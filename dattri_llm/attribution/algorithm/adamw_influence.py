@@ -474,29 +474,24 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             )
         finally:
             self._verbose = False
-        meta = {
-            **self.run_meta(
-                train_source,
-                test_store,
-                scope,
-                selected_training_steps=selected_training_steps,
-                loss_reduction=loss_reduction,
-                propagation=propagation,
-                loop_over_test=loop_over_test,
-                block_dtype=block_dtype,
-            ),
-            "num_masks": num_masks,
-            "projection_kwargs": self.projection_kwargs,
-            **extra_meta,
-        }
-        self.scored_layers = result.layers
-        return self.build_score(
-            result.scores,
-            result.row_ids,
-            result.row_steps,
+        return self.build_run_score(
+            result,
             test_ids,
-            algorithm_meta=meta,
-            layer_name=result.layers,
+            train_source,
+            test_store,
+            scope,
+            selected_training_steps=selected_training_steps,
+            options={
+                "loss_reduction": loss_reduction,
+                "propagation": propagation,
+                "loop_over_test": loop_over_test,
+                "block_dtype": block_dtype,
+            },
+            extra={
+                "num_masks": num_masks,
+                "projection_kwargs": self.projection_kwargs,
+                **extra_meta,
+            },
         )
 
 

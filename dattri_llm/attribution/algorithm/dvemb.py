@@ -235,30 +235,25 @@ class DVEmbAttributor(TrajectoryAttributor):
             )
         finally:
             self._verbose = False
-        meta = {
-            **self.run_meta(
-                train_source,
-                test_store,
-                scope,
-                selected_training_steps=selected_training_steps,
-                loss_reduction=loss_reduction,
-                propagation=propagation,
-                loop_over_test=loop_over_test,
-                block_dtype=block_dtype,
-            ),
-            "learning_rate": scope.recorded_rates() if rates is None else rates,
-            "dvemb_dir": None if dvemb_dir is None else str(dvemb_dir),
-            "hessian_mode": hessian_mode,
-            **(algorithm_meta or {}),
-        }
-        self.scored_layers = result.layers
-        return self.build_score(
-            result.scores,
-            result.row_ids,
-            result.row_steps,
+        return self.build_run_score(
+            result,
             test_ids,
-            algorithm_meta=meta,
-            layer_name=list(result.layers),
+            train_source,
+            test_store,
+            scope,
+            selected_training_steps=selected_training_steps,
+            options={
+                "loss_reduction": loss_reduction,
+                "propagation": propagation,
+                "loop_over_test": loop_over_test,
+                "block_dtype": block_dtype,
+            },
+            extra={
+                "learning_rate": scope.recorded_rates() if rates is None else rates,
+                "dvemb_dir": None if dvemb_dir is None else str(dvemb_dir),
+                "hessian_mode": hessian_mode,
+                **(algorithm_meta or {}),
+            },
         )
 
     def _rates(

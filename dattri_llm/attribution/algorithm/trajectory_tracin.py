@@ -140,30 +140,18 @@ class TrajectoryTracInAttributor(TrajectoryAttributor):
         finally:
             self._verbose = False
             self._step_weights = None
-        meta = {
-            **self.run_meta(
-                train_source,
-                test_store,
-                scope,
-                selected_training_steps=selected_training_steps,
-                loss_reduction="mean",
-                propagation="test",
-                loop_over_test=loop_over_test,
-                block_dtype=block_dtype,
-            ),
-            "learning_rate": scope.recorded_rates() if rates is None else rates,
-            **(algorithm_meta or {}),
-        }
-        for unused in ("loss_reduction", "propagation"):
-            meta.pop(unused)
-        self.scored_layers = result.layers
-        return self.build_score(
-            result.scores,
-            result.row_ids,
-            result.row_steps,
+        return self.build_run_score(
+            result,
             test_ids,
-            algorithm_meta=meta,
-            layer_name=list(result.layers),
+            train_source,
+            test_store,
+            scope,
+            selected_training_steps=selected_training_steps,
+            options={"loop_over_test": loop_over_test, "block_dtype": block_dtype},
+            extra={
+                "learning_rate": scope.recorded_rates() if rates is None else rates,
+                **(algorithm_meta or {}),
+            },
         )
 
     def _weighted_dot(

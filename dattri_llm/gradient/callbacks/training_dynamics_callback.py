@@ -413,20 +413,28 @@ class TrainingDynamicsCallback(HookManagerCallback):
         }
         result = {}
         for name in layer_names:
-            config = self._config(name)
-            include_bias = True if config is None else bool(config.get("include_bias", True))
-            roles = dict(self.snapshot.parameters(name, include_bias=True))
-            entry: dict[str, Any] = {
-                "weight_group": groups.get(id(roles.get("weight"))),
-                "bias_group": groups.get(id(roles.get("bias"))) if include_bias else None,
-                "bias_index": None,
-                "width": None,
-            }
-            style = None if config is None else config.get("style", "logra")
-            if style in (None, "mask"):
-                entry.update(self._bias_positions(name, include_bias))
-            result[name] = entry
+            try:
+                result[name] = self._layer_entry(name, groups)
+            except (NotImplementedError, KeyError, ValueError) as error:
+                # Never fail the training step: the sweep refuses the layer, with this reason.
+                result[name] = {"weight_group": None, "bias_group": None, "bias_index": None,
+                                "width": None, "error": str(error)}  # fmt: skip
         return result
+
+    def _layer_entry(self, name: str, groups: Mapping[int, int]) -> dict[str, Any]:
+        config = self._config(name)
+        include_bias = True if config is None else bool(config.get("include_bias", True))
+        roles = dict(self.snapshot.parameters(name, include_bias=True))
+        entry: dict[str, Any] = {
+            "weight_group": groups.get(id(roles.get("weight"))),
+            "bias_group": groups.get(id(roles.get("bias"))) if include_bias else None,
+            "bias_index": None,
+            "width": None,
+        }
+        style = None if config is None else config.get("style", "logra")
+        if style in (None, "mask"):
+            entry.update(self._bias_positions(name, include_bias))
+        return entry
 
     def _config(self, layer_name: str) -> dict | None:
         if not self.projection_kwargs:

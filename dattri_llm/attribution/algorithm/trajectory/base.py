@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from dattri_llm.attribution.arguments import AttributionArguments
+    from dattri_llm.attribution.score import AttributionScore
     from dattri_llm.gradient.callbacks import HookManagerCallback
     from dattri_llm.gradient.hooks.config import HookManagerConfig
     from dattri_llm.gradient.streaming import GradientSource, GradientStreamer
@@ -465,34 +466,43 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         finally:
             self.close_source(source)
 
-    def run_meta(
+    def build_run_score(
         self,
+        result: SweepResult,
+        test_ids: list[str],
         train_source: object,
         test_source: object,
         scope: RunScope,
         *,
         selected_training_steps: Iterable[int] | None,
-        loss_reduction: str,
-        propagation: str,
-        loop_over_test: bool,
-        block_dtype: torch.dtype,
-    ) -> dict[str, Any]:
-        """The ``algorithm_meta`` every trajectory method records."""
+        options: Mapping[str, Any],
+        extra: Mapping[str, Any] | None = None,
+    ) -> AttributionScore:
+        """The :class:`AttributionScore` of a sweep, with the metadata every trajectory
+        method records: the run's (steps, dynamics, clip coefficients, sources), the
+        call's ``options`` (dtypes as strings), then the method's ``extra``."""
         clipped = {w.key: w.clip_coef for w in scope.swept if w.clipped}
-        return {
+        meta = {
             "final_step": scope.final_step,
             "selected_training_steps": (
                 None if selected_training_steps is None else sorted(scope.output_steps)
             ),
             "propagated_steps": scope.swept_steps,
-            "loss_reduction": loss_reduction,
-            "propagation": propagation,
-            "loop_over_test": loop_over_test,
-            "block_dtype": str(block_dtype),
+            **{k: str(v) if isinstance(v, torch.dtype) else v for k, v in options.items()},
             "dynamics": "recorded" if scope.run.recorded else "unrecorded",
             "clip_coefficients": clipped,
             **self.source_meta(train_source, self.resolve_store(test_source)),
+            **(extra or {}),
         }
+        self.scored_layers = list(result.layers)
+        return self.build_score(
+            result.scores,
+            result.row_ids,
+            result.row_steps,
+            test_ids,
+            algorithm_meta=meta,
+            layer_name=list(result.layers),
+        )
 
     def _progress(self, verbose: bool) -> Callable[[list[Window]], Iterable[Window]]:
         def bar(windows: list[Window]) -> Iterable[Window]:

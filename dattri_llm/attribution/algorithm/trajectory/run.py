@@ -153,11 +153,20 @@ class RunDynamics:
 
         Store steps no recorded update consumed (an update a ``GradScaler``
         skipped, backwards never followed by a step) are left out with a
-        ``UserWarning``.
+        ``UserWarning``; so is a run recorded under several processes.
         """
         steps = sorted({int(s) for s in store_steps})
         if not self.recorded:
             return [Window(step, (step,)) for step in steps]
+        world = max(int(u.get("world_size", 1)) for u in self.updates.values())
+        if world > 1:
+            self.warn_once(
+                "world",
+                f"the run was recorded under {world} processes: a data-parallel step averages "
+                "the ranks' gradients, which the trajectory methods do not model (they are "
+                "exact for single-process runs); each rank's rows are scored as if its own "
+                "batch made the update",
+            )
         ordered = sorted(self.updates.items(), key=lambda item: int(item[1].get("update", 0)))
         windows: list[Window] = []
         if self.merged:
@@ -263,6 +272,12 @@ class RunDynamics:
                 f"layer {name!r}: the store holds {width} coordinates per sample but the run was "
                 f"recorded with {entry['width']}; score the store captured with that run's "
                 "projection"
+            )
+        if entry.get("error"):
+            raise ValueError(
+                f"layer {name!r}: the recorded run could not map its coordinates to the "
+                f"optimizer's parameter groups ({entry['error']}); leave the layer out "
+                "(layer_name=...)"
             )
         if entry.get("weight_group") is None:
             raise ValueError(

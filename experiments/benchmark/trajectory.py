@@ -7,15 +7,17 @@ every block ``Conv1D`` and the LM head trained and captured (p ≈ 147k coordina
 clip 1.0, sum loss), 64 query sequences at the final parameters. The run is captured
 once (per-sample gradients of every step, the Adam moments around every update,
 ``lr_schedule.json``); a second capture keeps a ``"mask"`` projection of 1024
-coordinates per layer. Every method then scores the same stores, query-side
-propagation, one torch thread:
+coordinates per layer, a third each sample's Adam update direction on those
+coordinates (LESS's preconditioned capture). Every method then scores the same
+stores, query-side propagation, one torch thread:
 
 * Grad-Dot (``P``): ``TracInAttributor.attribute_from_cache`` over the trajectory store
   (every step's rows against the queries, unit weights);
 * trajectory TracIn (lr-weighted; rows ``η_t c_t <g, q>``);
 * DVEmb, full and block-diagonal curvature;
 * AdamW-influence over every coordinate, with 8 disjoint coordinate groups, and on the
-  masked store.
+  masked store;
+* LESS on the preconditioned store, against Grad-Dot on that store (``P''``).
 
 Each method is timed after a warm-up call, median of ``--repeats`` calls; peak memory is
 the growth of the process's peak resident set (``VmHWM`` reset through
@@ -74,8 +76,11 @@ def summed_loss(model, ids: torch.Tensor) -> torch.Tensor:
     ) / (SEQ - 1)
 
 
-def capture(root: Path, projection: dict | None) -> dict:
-    """Train once under the hooks; return the AdamW dynamics (stores written under ``root``)."""
+def capture(root: Path, projection: dict | None, precondition: bool = False) -> dict:
+    """Train once under the hooks; return the AdamW dynamics (stores written under ``root``).
+
+    ``precondition``: capture each sample's Adam update direction (LESS's train side).
+    """
     from dattri_llm import (
         GradientStorageManager,
         HookManager,
@@ -91,7 +96,12 @@ def capture(root: Path, projection: dict | None) -> dict:
     config = HookManagerConfig(linear_io=LAYERS, projection_kwargs=projection)
     store = GradientStorageManager(root / "train")
     state = OptimizerStateCallback(model, optimizer, projection_kwargs=projection)
-    hm = HookManager(model, config=config, callbacks=[OffloadCallback(1, store), state])
+    hm = HookManager(
+        model,
+        config=config,
+        callbacks=[OffloadCallback(1, store), state],
+        optimizer=optimizer if precondition else None,
+    )
     train = sequences(N_TRAIN, 1)
     lrs = {}
     with hm.collect():
@@ -116,7 +126,9 @@ def capture(root: Path, projection: dict | None) -> dict:
     return {"dynamics": state.dynamics(), "lrs": lrs}
 
 
-def methods(root: Path, masked: Path, captured: dict, masked_captured: dict) -> dict:
+def methods(
+    root: Path, masked: Path, preconditioned: Path, captured: dict, masked_captured: dict
+) -> dict:
     """``{name: call}`` of every method the installed version offers."""
     import dattri_llm
     from dattri_llm import AttributionArguments
@@ -143,6 +155,12 @@ def methods(root: Path, masked: Path, captured: dict, masked_captured: dict) -> 
         ).attribute_from_cache(masked / "train", masked / "test"),
         "AdamW-influence, masked store": lambda: adamw(
             args, masked / "train", masked / "test", masked_captured, 1
+        ),
+        "Grad-Dot, preconditioned store (P'')": lambda: dattri_llm.TracInAttributor(
+            args
+        ).attribute_from_cache(preconditioned / "train", preconditioned / "test"),
+        "LESS, preconditioned store": lambda: dattri_llm.LESSAttributor(args).attribute_from_cache(
+            preconditioned / "train", preconditioned / "test"
         ),
     }
     if hasattr(dattri_llm, "TrajectoryTracInAttributor"):
@@ -175,8 +193,11 @@ def measure(call, repeats: int) -> dict:
 
 
 def render(rows: dict[str, dict], total: float, repeats: int) -> str:
+    bases = {
+        "masked": rows["Grad-Dot, masked store (P')"]["seconds"],
+        "preconditioned": rows["Grad-Dot, preconditioned store (P'')"]["seconds"],
+    }
     p = rows["Grad-Dot (P)"]["seconds"]
-    p_masked = rows["Grad-Dot, masked store (P')"]["seconds"]
     lines = [
         "# Trajectory methods against Grad-Dot (CPU)",
         "",
@@ -187,14 +208,15 @@ def render(rows: dict[str, dict], total: float, repeats: int) -> str:
         f"Workload: GPT-2 from config (2 layers, hidden 64, vocab {VOCAB}, {SEQ} positions), "
         f"{N_TRAIN} training sequences in {N_TRAIN // BATCH} AdamW steps of {BATCH} (clip 1.0), "
         f"{N_QUERIES} queries at the final parameters; block Conv1Ds and the LM head captured "
-        "(every coordinate, or a 1024-coordinate mask per layer). Query-side propagation, "
-        "one torch thread. Peak = growth of peak RSS (VmHWM) over the RSS before the call.",
+        "(every coordinate, or a 1024-coordinate mask per layer; LESS: each sample's Adam "
+        "update direction on that mask). Query-side propagation, one torch thread. Peak = "
+        "growth of peak RSS (VmHWM) over the RSS before the call.",
         "",
         "| method | seconds | × Grad-Dot on the same store | peak RSS growth (MiB) |",
         "|---|---|---|---|",
     ]
     for name, row in rows.items():
-        base = p_masked if "masked" in name else p
+        base = next((v for k, v in bases.items() if k in name), p)
         lines.append(
             f"| {name} | {row['seconds']:.2f} | {row['seconds'] / base:.2f} | "
             f"{row['peak_mib']:.0f} |"
@@ -213,8 +235,10 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="trajectory_bench_"))
     full = capture(root / "full", None)
     masked = capture(root / "masked", MASK)
+    capture(root / "preconditioned", MASK, precondition=True)
     rows = {}
-    for name, call in methods(root / "full", root / "masked", full, masked).items():
+    calls = methods(root / "full", root / "masked", root / "preconditioned", full, masked)
+    for name, call in calls.items():
         if opts.only is None or opts.only in name or "Grad-Dot" in name:
             rows[name] = measure(call, opts.repeats)
             print(f"{name}: {rows[name]['seconds']:.2f} s, {rows[name]['peak_mib']:.0f} MiB")

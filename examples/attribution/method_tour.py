@@ -6,8 +6,9 @@ ONCE, by hooks around the unchanged training loop:
 
 * ``trajectory/``: raw per-sample gradients of every captured step
   (``HookManager`` + ``OffloadCallback``), the Adam moments before and after
-  every update (``OptimizerStateCallback``, ``record_post`` after each
-  ``optimizer.step()``) and ``lr_schedule.json`` (``write_lr_schedule``);
+  every update and what each update applied (``OptimizerStateCallback``,
+  which reads them at every ``optimizer.step()``; ``training_dynamics.json``)
+  and ``lr_schedule.json`` (``write_lr_schedule``);
 * ``trajectory_preconditioned/``: the same steps captured preconditioned by
   the optimizer (``HookManager(optimizer=...)``: each sample's Adam update
   direction, LESS's train side), a second manager on the same run;
@@ -57,6 +58,7 @@ from dattri_llm import (
     OffloadCallback,
     OptimizerStateCallback,
     TracInAttributor,
+    TrajectoryTracInAttributor,
     hash_sample,
 )
 from dattri_llm.attribution.utils import write_lr_schedule
@@ -215,7 +217,6 @@ def train_and_capture(
 
     def record_step() -> None:
         step = raw.steps_collected - 1  # the step the backward just completed
-        states.record_post(step)
         stores.lrs[step] = optimizer.param_groups[0]["lr"]
 
     with raw.collect(deregister_on_exit=True), preconditioned.collect(deregister_on_exit=True):
@@ -223,6 +224,7 @@ def train_and_capture(
             one_epoch(record_step)
     for directory in (stores.trajectory, stores.preconditioned):
         write_lr_schedule(directory, stores.lrs)
+    states.save(stores.trajectory)
     stores.dynamics = states.dynamics()
 
     frozen_pass(model, train_set, stores.final_train, tour.batch_size)
@@ -238,13 +240,6 @@ def arguments(tour: Tour, root: Path) -> AttributionArguments:
     )
 
 
-def lr_weighted(score: AttributionScore, lrs: Mapping[int, float]) -> AttributionScore:
-    """``score`` with every row multiplied by the learning rate of its step (TracIn)."""
-    weights = torch.tensor([lrs[s] for s in score.row_steps], dtype=score.scores.dtype)
-    score.scores = score.scores * weights[:, None]
-    return score
-
-
 def grad_dot(stores: Stores, tour: Tour) -> AttributionScore:
     """``<g_i(θ_T), q(θ_T)>``."""
     attributor = TracInAttributor(arguments(tour, stores.root))
@@ -258,10 +253,10 @@ def grad_cos(stores: Stores, tour: Tour) -> AttributionScore:
 
 
 def tracin(stores: Stores, tour: Tour) -> AttributionScore:
-    """``Σ_t η_t <g_i(θ_t), q(θ_T)>`` over the captured steps (queries at ``θ_T`` only)."""
-    attributor = TracInAttributor(arguments(tour, stores.root))
-    score = attributor.attribute_from_cache(stores.trajectory, stores.queries)
-    return lr_weighted(score, stores.lrs)
+    """``Σ_t η_t c_t <g_i(θ_t), q(θ_T)>`` over the captured steps (queries at ``θ_T`` only):
+    trajectory TracIn, each update's learning rate and clip coefficient as recorded."""
+    attributor = TrajectoryTracInAttributor(arguments(tour, stores.root))
+    return attributor.attribute_from_cache(stores.trajectory, stores.queries)
 
 
 def kronecker(cls: type) -> Callable[[Stores, Tour], AttributionScore]:
@@ -304,7 +299,7 @@ def dvemb(stores: Stores, tour: Tour) -> AttributionScore:
         propagation="test",
         hessian_mode="full",
         loss_reduction="sum",
-        learning_rate=None,  # the recorded schedule (lr_schedule.json)
+        learning_rate=None,  # the recorded rates (training_dynamics.json)
     )
 
 

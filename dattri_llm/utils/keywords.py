@@ -5,7 +5,7 @@
 * a keyword it does not take raises ``TypeError`` naming the method, the
   unknown keyword (with the closest accepted name) and every accepted name,
   where a method with ``**kwargs`` would otherwise record or drop it silently;
-* a documented alias (an older or the spec's name for the same concept, e.g.
+* a documented alias (an older name for the same concept, e.g.
   ``fisher_dir`` for ``fit_dir``) is accepted and renamed; giving both raises
   ``TypeError``.
 """

@@ -68,6 +68,33 @@ def stack(samples: list[dict]) -> dict:
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
+def capture_queries(model, directory, loss, layers=LAYERS):
+    """The query gradients of ``loss()`` (sum convention) into a fresh store at ``directory``."""
+    store = GradientStorageManager(directory)
+    config = HookManagerConfig(linear_io=list(layers))
+    with HookManager(model, config=config, callbacks=[OffloadCallback(1, store)]).collect(
+        deregister_on_exit=True
+    ):
+        model.zero_grad()
+        loss().backward()
+    return directory
+
+
+def trainer_values(names, rate, step):
+    """Each parameter's optimizer values under a ``Trainer``-built AdamW: weight decay 0.1 on
+    weights, none on biases."""
+    hyper = {"lr": rate, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "amsgrad": False}
+    return {
+        name: {
+            **hyper,
+            "wd": 0.0 if name.endswith("bias") else 0.1,
+            "decoupled": True,
+            "step": step,
+        }  # fmt: skip
+        for name in names
+    }
+
+
 def windows_of(samples, batch, accumulation):
     micro = [stack(samples[i : i + batch]) for i in range(0, len(samples), batch)]
     return [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
@@ -138,13 +165,8 @@ def capture_hand_loop(
         run = loop.run(windows_of(train, batch, accumulation))
     hm.remove()
     state.save(tmp_path / "train")
-    queries = GradientStorageManager(tmp_path / "test")
-    qhm = HookManager(model, config=config, callbacks=[OffloadCallback(1, queries)])
     test_batch = stack(test)
-    with qhm.collect():
-        model.zero_grad()
-        batch_loss("sum")(model, test_batch).backward()
-    qhm.remove()
+    capture_queries(model, tmp_path / "test", lambda: batch_loss("sum")(model, test_batch))
     return model, tmp_path / "train", tmp_path / "test", run, state, test_batch
 
 
@@ -269,19 +291,7 @@ def streamer_reference(snap_dir, model, queries, *, reduction, accumulation, lr,
         snapshots.load_parameters(window[0], probe)
         theta = {n: p.detach().double().clone() for n, p in probe.named_parameters()}
         rate = lr * k / warmup if k < warmup else lr * (total - k) / (total - warmup)
-        hyper = {
-            name: {
-                "lr": rate,
-                "wd": 0.0 if name.endswith("bias") else 0.1,
-                "beta1": 0.9,
-                "beta2": 0.999,
-                "eps": 1e-8,
-                "amsgrad": False,
-                "decoupled": True,
-                "step": k + 1,
-            }
-            for name in names
-        }
+        hyper = trainer_values(names, rate, k + 1)
         micro = [snapshots.load_batch(step) for step in window]
         updates.append(Update(theta, micro, hyper))
     final = {n: p.detach().double().clone() for n, p in model.named_parameters()}
@@ -380,20 +390,7 @@ def test_adamw_influence_hf_trainer_defaults(tmp_path):
     total = len(windows)
     updates = []
     for k, window in enumerate(windows):
-        rate = 0.05 * (total - k) / total
-        hyper = {
-            name: {
-                "lr": rate,
-                "wd": 0.0 if name.endswith("bias") else 0.1,
-                "beta1": 0.9,
-                "beta2": 0.999,
-                "eps": 1e-8,
-                "amsgrad": False,
-                "decoupled": True,
-                "step": k + 1,
-            }
-            for name in names
-        }
+        hyper = trainer_values(names, 0.05 * (total - k) / total, k + 1)
         updates.append(Update(window[0][0], [batch for _, batch in window], hyper))
     final = {n: p.detach().double().clone() for n, p in model.named_parameters()}
     test_batch = stack(data(3, 2))
@@ -401,12 +398,7 @@ def test_adamw_influence_hf_trainer_defaults(tmp_path):
         model, regressor_sample_loss, Run(updates, final, names, 2, "mean", 1.0), test_batch
     )
     assert sum(reference.clip_coef(t) < 1 for t in range(total)) >= total // 2
-    queries = GradientStorageManager(tmp_path / "test")
-    qhm = HookManager(
-        model, config=HookManagerConfig(linear_io=layers), callbacks=[OffloadCallback(1, queries)]
-    )
-    with qhm.collect(deregister_on_exit=True):
-        (model(**test_batch)["loss"] * 3).backward()
+    capture_queries(model, tmp_path / "test", lambda: model(**test_batch)["loss"] * 3, layers)
     attributor = AdamWInfluenceAttributor(args_for(tmp_path))
     score = attributor.attribute_from_cache(
         tmp_path / "train",
@@ -495,13 +487,7 @@ def _capture_with_recorder(root, optimizer_fn):
         run = loop.run(windows_of(data(8, 1), 2, 1))
     hm.remove()
     recorder.save(root / "train")
-    queries = GradientStorageManager(root / "test")
-    with HookManager(
-        model,
-        config=HookManagerConfig(linear_io=list(LAYERS)),
-        callbacks=[OffloadCallback(1, queries)],
-    ).collect(deregister_on_exit=True):
-        batch_loss("sum")(model, stack(data(2, 2))).backward()
+    capture_queries(model, root / "test", lambda: batch_loss("sum")(model, stack(data(2, 2))))
     return model, root / "train", root / "test", run, recorder, None
 
 
@@ -536,11 +522,9 @@ def test_partial_capture_warns_that_the_clip_jacobian_is_approximated(tmp_path):
             windows_of(data(8, 1), 2, 1)
         )
     hm.remove()
-    queries = GradientStorageManager(tmp_path / "test")
-    with HookManager(model, config=config, callbacks=[OffloadCallback(1, queries)]).collect(
-        deregister_on_exit=True
-    ):
-        batch_loss("sum")(model, stack(data(2, 2))).backward()
+    capture_queries(
+        model, tmp_path / "test", lambda: batch_loss("sum")(model, stack(data(2, 2))), ["fc2"]
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         AdamWInfluenceAttributor(args_for(tmp_path)).attribute_from_cache(
@@ -573,12 +557,8 @@ def test_less_hand_loop(tmp_path, reduction, accumulation):
         run = loop.run(windows_of(train, 2, accumulation))
     hm.remove()
     recorder.save(tmp_path / "train")
-    queries = GradientStorageManager(tmp_path / "test")
     test_batch = stack(test)
-    with HookManager(model, config=config, callbacks=[OffloadCallback(1, queries)]).collect(
-        deregister_on_exit=True
-    ):
-        batch_loss("sum")(model, test_batch).backward()
+    capture_queries(model, tmp_path / "test", lambda: batch_loss("sum")(model, test_batch))
     reference = Reference(model, sample_loss, run, test_batch)
     assert sum(reference.clip_coef(t) < 1 for t in range(len(run.updates))) >= 2
     score = LESSAttributor(args_for(tmp_path)).attribute_from_cache(
@@ -689,14 +669,8 @@ def test_adamw_influence_accelerate_loop(tmp_path):
                 window = []
     hm.remove()
     run = Run(updates, snapshot(model, names), names, 2, "mean", 1.0)
-    queries = GradientStorageManager(tmp_path / "test")
     test_batch = stack(data(3, 2))
-    with HookManager(
-        model,
-        config=HookManagerConfig(linear_io=list(LAYERS)),
-        callbacks=[OffloadCallback(1, queries)],
-    ).collect(deregister_on_exit=True):
-        batch_loss("sum")(model, test_batch).backward()  # fmt: skip
+    capture_queries(model, tmp_path / "test", lambda: batch_loss("sum")(model, test_batch))
     reference = Reference(model, sample_loss, run, test_batch)
     assert sum(reference.clip_coef(t) < 1 for t in range(len(updates))) >= 2
     score = AdamWInfluenceAttributor(args_for(tmp_path)).attribute_from_cache(
@@ -738,13 +712,7 @@ def test_recorder_measures_the_clip_and_leaves_out_a_skipped_step(tmp_path):
         want = min(1.0, 1.0 / (norms[step] + 1e-6))
         assert recorder.updates[step]["clip_coef"] == pytest.approx(want, rel=1e-5)
         assert recorder.updates[step]["row_scale"] in (2.0**8, 2.0**7)
-    queries = GradientStorageManager(tmp_path / "test")
-    with HookManager(
-        model,
-        config=HookManagerConfig(linear_io=list(LAYERS)),
-        callbacks=[OffloadCallback(1, queries)],
-    ).collect(deregister_on_exit=True):
-        batch_loss("sum")(model, stack(data(2, 2))).backward()  # fmt: skip
+    capture_queries(model, tmp_path / "test", lambda: batch_loss("sum")(model, stack(data(2, 2))))
     from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
 
     with pytest.warns(

@@ -18,6 +18,7 @@ per group file); they read through the same `GroupBlockDataset`.
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -535,9 +536,13 @@ class DiskGradientSource:
                 f"DiskGradientSource.for_steps: none of {sorted(wanted)} is among the source's "
                 f"steps {self._steps}."
             )
-        return DiskGradientSource(
-            self._file_manager, self._args, steps=restricted, layer_name=self._layer_name
-        )
+        # Same store and (already checked) layer filter: no need to read a record again.
+        view = copy.copy(self)
+        view._steps = resolve_steps(self._file_manager, restricted)
+        view._plan = self._file_manager.iter_steps(view._steps)
+        view._num_blocks = sum(len(step_idxs) for _, step_idxs in view._plan)
+        view._desc = None
+        return view
 
     def __iter__(self) -> Iterator[Block]:
         """Blocks in store order; each group is read once."""

@@ -79,3 +79,10 @@ def test_spec_names_are_aliases(stores):
         less.attribute_from_cache(train, test, learning_rates=0.5).scores,
         less.attribute_from_cache(train, test, learning_rate=0.5).scores,
     )
+
+
+def test_less_loss_reduction_belongs_to_the_capture(stores):
+    """The map runs at capture: scoring a stored run cannot change it, so it is refused."""
+    root, train, test = stores
+    with pytest.raises(TypeError, match=r"'loss_reduction'.*it accepts \["):
+        LESSAttributor(args(root)).attribute_from_cache(train, test, loss_reduction="mean")

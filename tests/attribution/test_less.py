@@ -456,6 +456,7 @@ def test_live_trajectory_form_equals_reference_and_cache(name, loop_over_test, t
         loop_over_test=loop_over_test,
         loss_reduction="sum",
     )
+    assert live.algorithm_meta["loss_reduction"] == "sum"  # the capture's convention, recorded
     rows_of_step = {t: live.step_matrix(t)[0] for t in sorted(live.step_matrices())}
     assert sorted(sum(rows_of_step.values(), [])) == sorted(case.ids(case.train))
     expected, lrs = trajectory_reference(case, initial, rows_of_step, query_at_step=loop_over_test)

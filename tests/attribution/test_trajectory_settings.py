@@ -722,3 +722,54 @@ def test_recorder_measures_the_clip_and_leaves_out_a_skipped_step(tmp_path):
             tmp_path / "train", tmp_path / "test"
         )
     assert sorted(set(score.row_steps)) == [0, 1, 3]
+
+
+class MixedMLP(nn.Module):
+    """An HF ``Conv1D`` (its weight stored transposed), a ``LayerNorm`` and a ``Linear``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.conv = Conv1D(5, 4)
+        self.norm = nn.LayerNorm(5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.norm(self.conv(x))))
+
+
+@pytest.mark.parametrize("propagation", ["test", "train"])
+def test_adamw_influence_conv1d_and_layernorm_groups(tmp_path, propagation):
+    """No-decay biases and LayerNorm parameters on a transposed ``Conv1D`` and a ``LayerNorm``
+    (bias coordinates at other places of their layouts), clip active."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = MixedMLP()
+    decayed = [model.conv.weight, model.head.weight]
+    other = [p for p in model.parameters() if all(p is not q for q in decayed)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decayed, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=0.05,
+    )
+    layers = ["conv", "norm", "head"]
+    store = GradientStorageManager(tmp_path / "train")
+    state = OptimizerStateCallback(model, optimizer)
+    hm = HookManager(model, config=HookManagerConfig(linear_io=layers),
+                     callbacks=[OffloadCallback(1, store), state])  # fmt: skip
+    with hm.collect():
+        run = HandLoop(model, optimizer, batch_loss("mean"), 1, 1.0, None, "mean").run(
+            windows_of(data(12, 1), 2, 1)
+        )
+    hm.remove()
+    assert state.layer_map["conv"]["bias_index"] == [4, 9, 14, 19, 24]  # (out, in + 1) rows
+    assert state.layer_map["norm"]["bias_index"] == [5, 6, 7, 8, 9]  # [weight, bias]
+    test_batch = stack(data(3, 2))
+    capture_queries(model, tmp_path / "test", lambda: batch_loss("sum")(model, test_batch), layers)
+    reference = Reference(model, sample_loss, run, test_batch)
+    assert sum(reference.clip_coef(t) < 1 for t in range(len(run.updates))) >= 3
+    score = AdamWInfluenceAttributor(args_for(tmp_path)).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", dynamics=state.dynamics(), loss_reduction="mean",
+        propagation=propagation,
+    )  # fmt: skip
+    assert_rows(score, reference.split(reference.adamw()))

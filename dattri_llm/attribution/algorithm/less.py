@@ -157,6 +157,7 @@ class LESSAttributor(BaseInnerProductAttributor):
         self._coordinate_rates: _CoordinateRates | None = None
         self._loss_reduction = "mean"
         self._live_recorder: TrainingDynamicsCallback | None = None
+        self._capture_meta: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ frozen form
     def checkpoint_weight(self, k: int) -> float:
@@ -264,7 +265,15 @@ class LESSAttributor(BaseInnerProductAttributor):
         test_ids: list[str],
         **kwargs: Any,
     ) -> AttributionScore:
-        """The base score; a live trajectory's rows times their update's clip coefficient."""
+        """The base score; a live trajectory's rows times their update's clip coefficient.
+
+        A call of :meth:`attribute` also records its capture's ``loss_reduction``.
+        """
+        if self._capture_meta:
+            kwargs["algorithm_meta"] = {
+                **(kwargs.get("algorithm_meta") or {}),
+                **self._capture_meta,
+            }
         recorder, self._live_recorder = self._live_recorder, None
         if recorder is not None:
             clip = {
@@ -321,7 +330,8 @@ class LESSAttributor(BaseInnerProductAttributor):
         form's ``{k: w_k}``. ``loss_reduction`` as in :meth:`cache`.
         """
         self._loss_reduction = check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
-        extra: dict[str, Any] = {"loss_reduction": loss_reduction}
+        self._capture_meta = {"loss_reduction": loss_reduction}
+        extra: dict[str, Any] = {}
         if not enable_update:
             self.require_task("attribute")
             self._check_frozen_form()
@@ -341,10 +351,11 @@ class LESSAttributor(BaseInnerProductAttributor):
         finally:
             self._step_weight = None
             self._live_recorder = None
+            self._capture_meta = {}
 
     @keywords(
         aliases={"learning_rates": "learning_rate"},
-        extra=(*_BASE_FROM_CACHE, "loss_reduction"),
+        extra=_BASE_FROM_CACHE,
     )
     def attribute_from_cache(
         self,
@@ -370,7 +381,6 @@ class LESSAttributor(BaseInnerProductAttributor):
             ValueError: a scored step has no weight in ``learning_rate`` or
                 the schedule file.
         """
-        kwargs.pop("loss_reduction", None)  # a capture-time setting, recorded by attribute()
         train_store = self.resolve_store(train_source)
         run = _recorded_run(train_store)
         weight, origin = self._stored_weights(train_store, checkpoint_weight, learning_rate, run)

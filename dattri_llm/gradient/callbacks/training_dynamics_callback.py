@@ -489,13 +489,18 @@ def _module_of(model: nn.Module, layer_name: str) -> nn.Module | None:
 
 
 def _global_norm(optimizer: torch.optim.Optimizer) -> float:
-    """2-norm of every gradient the optimizer holds (float64)."""
-    total = 0.0
+    """2-norm of every gradient the optimizer holds, as ``clip_grad_norm_`` computes it: a norm
+    per gradient on its device, then the norm of those (one host sync, no copies)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.grad is not None:
-                total += float(param.grad.detach().to(torch.float64).square().sum())
-    return math.sqrt(total)
+                grad = param.grad.detach()
+                by_device.setdefault(grad.device, []).append(torch.linalg.vector_norm(grad).float())
+    per_device = [
+        torch.linalg.vector_norm(torch.stack(norms).double()).cpu() for norms in by_device.values()
+    ]
+    return float(torch.linalg.vector_norm(torch.stack(per_device))) if per_device else 0.0
 
 
 def _is_power_of_two(value: float) -> bool:

@@ -505,12 +505,14 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         )
 
     def _progress(self, verbose: bool) -> Callable[[list[Window]], Iterable[Window]]:
-        def bar(windows: list[Window]) -> Iterable[Window]:
-            if not (verbose and self.args.should_log):
-                return windows
-            from tqdm.auto import tqdm
+        """The sweep's progress bar over its updates (:meth:`steps_bar` of a ``verbose`` call)."""
 
-            return tqdm(windows, desc=f"{self.algorithm} updates", unit="update")
+        def bar(windows: list[Window]) -> Iterable[Window]:
+            previous, self._verbose = self._verbose, verbose
+            try:
+                return self.steps_bar(windows, desc=f"{self.algorithm} updates")
+            finally:
+                self._verbose = previous
 
         return bar
 

@@ -1,5 +1,5 @@
 """One name per concept: unknown keywords raise ``TypeError`` listing the accepted names, and
-the spec's older names keep working as aliases."""
+the documented older names keep working as aliases."""
 
 from __future__ import annotations
 

@@ -535,15 +535,10 @@ def test_partial_capture_warns_that_the_clip_jacobian_is_approximated(tmp_path):
 
 
 # ---------------------------------------------------------------------------- LESS
-@pytest.mark.parametrize("reduction, accumulation", [("mean", 1), ("sum", 2), ("mean", 3)])
-def test_less_hand_loop(tmp_path, reduction, accumulation):
-    """Preconditioned capture of each sample's own gradient (the map sees ``c_b·share``), weights
-    ``η_ref·c_t``, coordinates scaled by their group's rate."""
-    from dattri_llm import LESSAttributor, TrainingDynamicsCallback
+def capture_less_run(tmp_path, model, optimizer, reduction, accumulation):
+    """A hand loop's preconditioned train store and dynamics, and a query store at ``θ_T``."""
+    from dattri_llm import TrainingDynamicsCallback
 
-    torch.manual_seed(0)
-    model = MLP()
-    optimizer = adamw()(model, 0.05)
     train, test = data(12, 1), data(3, 2)
     store = GradientStorageManager(tmp_path / "train")
     recorder = TrainingDynamicsCallback(model, optimizer, gradient_accumulation_steps=accumulation)
@@ -559,6 +554,19 @@ def test_less_hand_loop(tmp_path, reduction, accumulation):
     recorder.save(tmp_path / "train")
     test_batch = stack(test)
     capture_queries(model, tmp_path / "test", lambda: batch_loss("sum")(model, test_batch))
+    return run, test_batch
+
+
+@pytest.mark.parametrize("reduction, accumulation", [("mean", 1), ("sum", 2), ("mean", 3)])
+def test_less_hand_loop(tmp_path, reduction, accumulation):
+    """Preconditioned capture of each sample's own gradient (the map sees ``c_b·share``), weights
+    ``η_ref·c_t``, coordinates scaled by their group's rate."""
+    from dattri_llm import LESSAttributor
+
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = adamw()(model, 0.05)
+    run, test_batch = capture_less_run(tmp_path, model, optimizer, reduction, accumulation)
     reference = Reference(model, sample_loss, run, test_batch)
     assert sum(reference.clip_coef(t) < 1 for t in range(len(run.updates))) >= 2
     score = LESSAttributor(args_for(tmp_path)).attribute_from_cache(
@@ -566,6 +574,29 @@ def test_less_hand_loop(tmp_path, reduction, accumulation):
     )
     assert score.algorithm_meta["weights_from"] == "training_dynamics"
     assert_rows(score, reference.split(reference.less("fc1.weight")))
+
+
+def test_less_reference_group_at_rate_zero_weighs_its_steps_zero(tmp_path):
+    """The weight ``w_t`` is the first group's rate: at 0 (that group frozen) every row is 0, not
+    the NaN of dividing the other groups' rates by it."""
+    from dattri_llm import LESSAttributor
+
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [model.fc1.weight], "lr": 0.0},
+            {"params": [model.fc2.weight, model.fc1.bias, model.fc2.bias]},
+        ],
+        lr=0.05,
+    )
+    capture_less_run(tmp_path, model, optimizer, "mean", 1)
+    score = LESSAttributor(args_for(tmp_path)).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test"
+    )
+    assert score.algorithm_meta["weights_from"] == "training_dynamics"
+    assert score.scores.numel() > 0
+    torch.testing.assert_close(score.scores, torch.zeros_like(score.scores), rtol=0, atol=0)
 
 
 def test_trajectory_tracin_with_one_rate_is_weighted_grad_dot(tmp_path):

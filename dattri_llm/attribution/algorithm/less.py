@@ -464,7 +464,7 @@ class _CoordinateRates:
     def __init__(self, run: RunDynamics, steps: list[int]) -> None:
         self.run = run
         self.windows = _window_of(run, steps)
-        self._ratios: dict[tuple[int, str, int], torch.Tensor | None] = {}
+        self._ratios: dict[tuple[int, str, int], torch.Tensor] = {}
 
     def scale(self, step: int, block: Gradient) -> Gradient:
         window = self.windows.get(step)
@@ -491,10 +491,14 @@ class _CoordinateRates:
         )
 
     def _ratio(self, window: Window, name: str, width: int) -> torch.Tensor:
+        """``(width,)`` each coordinate's rate over the reference rate (1 where that is 0: the
+        step's weight ``w_t`` is then 0, so its rows are zero whatever their direction)."""
         key = (window.key, name, width)
         if key not in self._ratios:
             rates = self.run.values(window, {name: width}, "lr", dtype=torch.float64)
-            self._ratios[key] = (rates / self.run.reference_lr(window)).float()
+            reference = self.run.reference_lr(window)
+            ratio = rates / reference if reference else torch.ones_like(rates)
+            self._ratios[key] = ratio.float()
         return self._ratios[key]
 
 

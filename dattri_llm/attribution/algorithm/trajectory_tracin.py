@@ -166,7 +166,7 @@ class TrajectoryTracInAttributor(TrajectoryAttributor):
     ) -> tuple[SweepResult, list[str]]:
         """Grad-Dot of the emitted steps with each step's rows scaled by its weight."""
         layers = attribution_utils.normalize_layer_names(layer_name)
-        steps = sorted(s for s in scope.swept_steps if s in set(scope.output_steps))
+        steps = sorted(set(scope.swept_steps) & set(scope.output_steps))
         source = self.open_train_source(
             train_source, steps=steps, layer_name=layers, hook_config=hook_config
         )

@@ -247,8 +247,10 @@ class RunDynamics:
     def reference_lr(self, window: Window) -> float:
         """The learning rate of the first parameter group at ``window`` (``lr_schedule.json``'s).
 
+        An unrecorded run gives the window's one recorded rate.
+
         Raises:
-            ValueError: an unrecorded run (no groups).
+            ValueError: an unrecorded run holding no values for the window.
         """
         if not self.recorded:
             return _legacy_value(self.legacy.get(window.key), "lr")

@@ -14,8 +14,8 @@ readers use them); the post entry of an update recorded at
 window, clip, loss scale, every group's values) and ``"layers"`` (each
 layer's groups and bias coordinates), see
 :class:`~dattri_llm.gradient.callbacks.training_dynamics_callback.TrainingDynamicsCallback`.
-:func:`assemble_dynamics` joins the two sides of a step into the entry
-AdamW-influence consumes.
+:func:`assemble_dynamics` (``gradient/state/dynamics.py``, re-exported here) joins
+the two sides of a step into the entry AdamW-influence consumes.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDyn
 from dattri_llm.gradient.gradient import base_layer_name
 from dattri_llm.gradient.ops.projection import DattriProjector, mask_coordinates
 from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
-from dattri_llm.gradient.optimizer_state import LayerOptimizerState, OptimizerSnapshot
+from dattri_llm.gradient.state.dynamics import assemble_dynamics
+from dattri_llm.gradient.state.optimizer_snapshot import LayerOptimizerState, OptimizerSnapshot
+from dattri_llm.gradient.state.snapshots import LazyDynamics, TrajectorySnapshots
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import GradientRecord
-    from dattri_llm.gradient.snapshots import TrajectorySnapshots
 
 __all__ = ["OptimizerStateCallback", "assemble_dynamics"]
 
@@ -42,30 +43,6 @@ _MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 _AMSGRAD_KEY = "max_exp_avg_sq"
 _SUPPORTED_OPTIMIZERS = ("Adam", "AdamW")
 _GROUP_KEYS = ("step", "lr", "betas", "eps", "weight_decay")
-
-
-def assemble_dynamics(pre: dict, post: dict) -> dict:
-    """One step's dynamics entry from its ``pre`` and ``post`` side entries.
-
-    Returns:
-        ``{"pre": {layer: (m, v)}, "post": {layer: (m, v)}, "step": post["step"],
-        "lr", "betas", "eps", "weight_decay"}`` — ``step`` is the update count after
-        the step's update; the hyperparameters come from the pre side — plus the
-        post side's ``"update"`` and ``"layers"`` when it has them.
-    """
-    entry = {
-        "pre": pre["moments"],
-        "post": post["moments"],
-        "step": post["step"],
-        "lr": pre["lr"],
-        "betas": pre["betas"],
-        "eps": pre["eps"],
-        "weight_decay": pre["weight_decay"],
-    }
-    for key in ("update", "layers"):
-        if key in post:
-            entry[key] = post[key]
-    return entry
 
 
 def _group_values(layer: LayerOptimizerState) -> dict:
@@ -247,9 +224,6 @@ class OptimizerStateCallback(TrainingDynamicsCallback):
         A plain dict from memory, or a lazy read-only mapping over the snapshot store.
         """
         if self.snapshots is not None:
-            # snapshots.py imports this module (assemble_dynamics): import it here, not at the top.
-            from dattri_llm.gradient.snapshots import LazyDynamics
-
             return LazyDynamics(self.snapshots)
         return {
             s: assemble_dynamics(self.pre[s], self.post[s])

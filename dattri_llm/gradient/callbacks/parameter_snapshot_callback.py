@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from dattri_llm.gradient.gradient import GradientRecord
-    from dattri_llm.gradient.snapshots import TrajectorySnapshots
+    from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 
 
 class ParameterSnapshotCallback(HookManagerCallback):
@@ -24,7 +24,7 @@ class ParameterSnapshotCallback(HookManagerCallback):
 
     Args:
         model: the trained model.
-        snapshots: the :class:`~dattri_llm.gradient.snapshots.TrajectorySnapshots` store.
+        snapshots: the :class:`~dattri_llm.gradient.state.snapshots.TrajectorySnapshots` store.
     """
 
     def __init__(self, model: nn.Module, snapshots: TrajectorySnapshots) -> None:

@@ -37,12 +37,12 @@ Once per run it records, per captured layer, the parameter group of its
 weight and of its bias and the positions of the bias coordinates among the
 layer's captured coordinates, so every coordinate is propagated with its own
 group's values. :func:`save_training_dynamics` / :func:`load_training_dynamics`
-keep all of it as ``training_dynamics.json`` beside a run's store.
+(``gradient/state/dynamics.py``, re-exported here) keep all of it as
+``training_dynamics.json`` beside a run's store.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -60,8 +60,13 @@ from dattri_llm.gradient.callbacks.base import HookManagerCallback
 from dattri_llm.gradient.gradient import base_layer_name
 from dattri_llm.gradient.ops.projection import DattriProjector, mask_coordinates
 from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
-from dattri_llm.gradient.optimizer_state import OptimizerSnapshot, optimizer_type
-from dattri_llm.utils.atomic import atomic_write
+from dattri_llm.gradient.state.dynamics import (
+    TRAINING_DYNAMICS_FILE,
+    load_training_dynamics,
+    save_training_dynamics,
+)
+from dattri_llm.gradient.state.names import optimizer_type
+from dattri_llm.gradient.state.optimizer_snapshot import OptimizerSnapshot
 from dattri_llm.utils.distributed import dist_world_size
 
 if TYPE_CHECKING:
@@ -75,8 +80,6 @@ __all__ = [
     "save_training_dynamics",
 ]
 
-TRAINING_DYNAMICS_FILE = "training_dynamics.json"
-_FORMAT = 1
 # Relative size of the part of the applied gradient that is not a multiple of the backward's.
 _RESIDUAL_RTOL = 1e-3
 _GROUP_DEFAULTS: dict[str, Any] = {
@@ -506,51 +509,3 @@ def _global_norm(optimizer: torch.optim.Optimizer) -> float:
 def _is_power_of_two(value: float) -> bool:
     exponent = round(math.log2(value))
     return abs(value / 2.0**exponent - 1.0) < 1e-5
-
-
-# ---------------------------------------------------------------------------- the file
-def save_training_dynamics(
-    directory: str | Path,
-    updates: Mapping[int, dict],
-    layer_map: Mapping[str, dict],
-    *,
-    skipped_steps: Iterable[int] = (),
-) -> Path:
-    """Write ``training_dynamics.json`` (format 1) in ``directory``; return its path.
-
-    Layout: ``{"format": 1, "layers": {layer: {...}}, "updates": {step: {...}},
-    "skipped_steps": [...]}`` — see :class:`TrainingDynamicsCallback`.
-    """
-    path = Path(directory) / TRAINING_DYNAMICS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "format": _FORMAT,
-        "layers": dict(layer_map),
-        "updates": {str(int(step)): dict(update) for step, update in sorted(updates.items())},
-        "skipped_steps": sorted(int(step) for step in skipped_steps),
-    }
-    text = json.dumps(payload)
-    return atomic_write(path, lambda fh: fh.write(text.encode("utf-8")))
-
-
-def load_training_dynamics(directory: str | Path) -> dict | None:
-    """``{"layers", "updates" (int keys), "skipped_steps"}`` read from ``directory``.
-
-    ``None`` when the directory holds no ``training_dynamics.json``.
-
-    Raises:
-        ValueError: a file of another format.
-    """
-    path = Path(directory) / TRAINING_DYNAMICS_FILE
-    if not path.is_file():
-        return None
-    payload = json.loads(path.read_text(encoding="utf-8"))
-    if payload.get("format") != _FORMAT:
-        raise ValueError(
-            f"{path} has format {payload.get('format')!r}; this version reads format {_FORMAT}"
-        )
-    return {
-        "layers": payload.get("layers", {}),
-        "updates": {int(step): update for step, update in payload.get("updates", {}).items()},
-        "skipped_steps": [int(step) for step in payload.get("skipped_steps", [])],
-    }

@@ -15,8 +15,8 @@ from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.hooks.manager import HookManager
 from dattri_llm.gradient.ops.optimizer import precondition
+from dattri_llm.gradient.stream.wrapping import fsdp_wrap_kwargs, unscale_gradient
 from dattri_llm.gradient.streaming import GradientStreamer
-from dattri_llm.gradient.wrapping import fsdp_wrap_kwargs, unscale_gradient
 from dattri_llm.utils.hashing import hash_sample
 
 N_SAMPLES = 10
@@ -198,7 +198,7 @@ def test_probe_hands_back_low_precision_gradients_when_the_query_loss_raises(tmp
 
 
 def test_gradient_stash_restores_storage_dtype_and_values():
-    from dattri_llm.gradient._training import restore_gradients, stash_gradients
+    from dattri_llm.gradient.stream.training import restore_gradients, stash_gradients
 
     viewed, standalone = make_net(), make_net()
     buffer = attach_low_precision_views(viewed)
@@ -224,7 +224,7 @@ def test_gradient_stash_restores_storage_dtype_and_values():
 
 
 def test_gradient_stash_sets_a_sparse_gradient_aside():
-    from dattri_llm.gradient._training import restore_gradients, stash_gradients
+    from dattri_llm.gradient.stream.training import restore_gradients, stash_gradients
 
     embedding = nn.Embedding(5, 2, sparse=True)
     embedding(torch.tensor([1, 3])).sum().backward()

@@ -1,9 +1,10 @@
-"""Training-step pieces of the live sources: batches, loss, records, optimizer, RNG, gradients.
+"""Training-step pieces of the live sources: batches, loss, records, update, RNG, gradients.
 
-Private to :mod:`dattri_llm.gradient.streaming` (`GradientStreamer`,
-`ReplayGradientSource`), which re-exports the public helpers `autocast_for`
-and `move_batch`. The optimizer construction mirrors the Hugging Face
-``Trainer`` (no weight decay on biases and 1-D parameters).
+Used by `GradientStreamer` and `ReplayGradientSource`;
+:mod:`dattri_llm.gradient.streaming` re-exports the public helpers
+`autocast_for` and `move_batch`. The optimizer, scheduler and update step
+mirror the Hugging Face ``Trainer`` (no weight decay on biases and 1-D
+parameters; clip → ``optimizer.step`` → ``scheduler.step``).
 `stash_gradients` / `restore_gradients` set a trajectory's gradients aside
 while a probe runs and hand them back exactly, also when a wrapper keeps them
 in its own buffers (DDP buckets, FSDP flat gradients).
@@ -12,14 +13,17 @@ in its own buffers (DDP buckets, FSDP flat gradients).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
+from dattri_llm.gradient.stream.settings import TrainingSettings
+from dattri_llm.gradient.stream.wrapping import is_fsdp
+
 if TYPE_CHECKING:
-    from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
     from dattri_llm.gradient.gradient import GradientRecord
     from dattri_llm.gradient.hooks.manager import HookManager
@@ -161,9 +165,7 @@ def decay_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[s
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(
-    groups: list[dict[str, Any]], args: AttributionArguments
-) -> torch.optim.Optimizer:
+def build_optimizer(groups: list[dict[str, Any]], args: TrainingSettings) -> torch.optim.Optimizer:
     """The optimizer ``args`` describes over the parameter ``groups``.
 
     ``groups`` come from :func:`decay_parameter_groups`, taken before any FSDP
@@ -189,6 +191,57 @@ def build_optimizer(
         f"unsupported optim {args.optim!r}; use 'adamw_torch', 'adamw' or 'sgd', or pass an "
         "optimizer= to GradientStreamer"
     )
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, args: TrainingSettings, batches: int
+) -> object:
+    """``transformers.get_scheduler`` of ``args`` over ``ceil(batches / accumulation)`` updates."""
+    # optional dependency: transformers
+    from transformers import get_scheduler
+
+    windows = math.ceil(batches / args.gradient_accumulation_steps)
+    return get_scheduler(
+        args.lr_scheduler_type,
+        optimizer=optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=windows,
+    )
+
+
+def apply_update(
+    optimizer: torch.optim.Optimizer,
+    scheduler: object | None,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+    model: nn.Module,
+    forward_model: nn.Module,
+) -> None:
+    """Clip to ``max_grad_norm``, ``optimizer.step()``, then ``scheduler.step()``.
+
+    With a loss ``scaler`` the gradients are unscaled before clipping and the
+    step goes through the scaler, which then updates its scale.
+    """
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if max_grad_norm is not None and max_grad_norm > 0:
+        clip_gradients(model, forward_model, max_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+
+
+def clip_gradients(model: nn.Module, forward_model: nn.Module, max_norm: float) -> None:
+    """Clip to total norm ``max_norm``; under FSDP the norm spans every rank's shard."""
+    if is_fsdp(forward_model):
+        forward_model.clip_grad_norm_(max_norm)
+        return
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    nn.utils.clip_grad_norm_(trainable, max_norm)
 
 
 def rng_state() -> dict[str, object]:

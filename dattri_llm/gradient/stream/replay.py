@@ -1,8 +1,8 @@
 """``ReplayGradientSource``: recompute a trajectory's per-step gradients from its snapshots.
 
-Private home of the class; it is part of :mod:`dattri_llm.gradient.streaming`
-(re-exported there, with that ``__module__``), next to the `GradientStreamer`
-that writes the snapshots it reads.
+The class is part of :mod:`dattri_llm.gradient.streaming` (re-exported there,
+with that ``__module__``), next to the `GradientStreamer` that writes the
+snapshots it reads.
 """
 
 from __future__ import annotations
@@ -11,12 +11,23 @@ import copy
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from dattri_llm.gradient._training import (
+from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
+from dattri_llm.gradient.gradient import Gradient
+from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
+from dattri_llm.gradient.hooks.manager import HookManager
+from dattri_llm.gradient.snapshots import MANIFEST_FILE, TrajectorySnapshots
+from dattri_llm.gradient.stream.readers import (
+    _layer_list,
+    resolve_layer_filter,
+    select_block_layers,
+)
+from dattri_llm.gradient.stream.settings import TrainingSettings
+from dattri_llm.gradient.stream.source import LossFn, StreamBatch
+from dattri_llm.gradient.stream.training import (
     StashedGradient,
     autocast_for,
     check_loss,
@@ -30,18 +41,7 @@ from dattri_llm.gradient._training import (
     stash_gradients,
     take_record,
 )
-from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
-from dattri_llm.gradient.datasets import _layer_list, resolve_layer_filter, select_block_layers
-from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
-from dattri_llm.gradient.hooks.manager import HookManager
-from dattri_llm.gradient.snapshots import MANIFEST_FILE, TrajectorySnapshots
 from dattri_llm.task import default_loss_func
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from dattri_llm.attribution.arguments import AttributionArguments
-    from dattri_llm.gradient.gradient import Gradient
 
 __all__ = ["ReplayGradientSource", "open_snapshots"]
 
@@ -163,7 +163,7 @@ class ReplayGradientSource:
 
     Args:
         model: the (unwrapped) model the snapshots were taken from.
-        args: attribution arguments (``world_size``, ``bf16``/``fp16``,
+        args: the run settings, a `TrainingSettings` (``world_size``, ``bf16``/``fp16``,
             ``gradient_accumulation_steps``, ``should_log``).
         snapshots: a `TrajectorySnapshots` or the path of an existing store.
         loss_fn: ``loss_fn(model, batch) -> scalar``; default ``model(**batch).loss``.
@@ -186,10 +186,10 @@ class ReplayGradientSource:
     def __init__(
         self,
         model: nn.Module,
-        args: AttributionArguments,
+        args: TrainingSettings,
         snapshots: TrajectorySnapshots | str,
         *,
-        loss_fn: Callable[[nn.Module, object], torch.Tensor] | None = None,
+        loss_fn: LossFn | None = None,
         config: HookManagerConfig | None = None,
         steps: Iterable[int] | None = None,
         layer_name: str | list[str] | None = None,
@@ -219,8 +219,8 @@ class ReplayGradientSource:
     # ------------------------------------------------------------ properties
 
     @property
-    def args(self) -> AttributionArguments:
-        """The attribution arguments."""
+    def args(self) -> TrainingSettings:
+        """The run settings."""
         return self._args
 
     @property
@@ -285,7 +285,7 @@ class ReplayGradientSource:
 
     # ----------------------------------------------------------------- passes
 
-    def __iter__(self) -> Iterator[tuple[int, Gradient, list[str]]]:
+    def __iter__(self) -> Iterator[StreamBatch]:
         """One pass: ``(step, block, identifiers)`` per step, in `steps` order."""
         if self._shared.closed:
             raise RuntimeError(
@@ -293,12 +293,12 @@ class ReplayGradientSource:
             )
         blocks = self._pass()
         if self._desc is not None and self._verbose and getattr(self._args, "should_log", True):
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # deferred: tqdm stays out of `import dattri_llm`
 
             blocks = tqdm(blocks, total=len(self._steps), desc=self._desc)
         return iter(blocks)
 
-    def _pass(self) -> Iterator[tuple[int, Gradient, list[str]]]:
+    def _pass(self) -> Iterator[StreamBatch]:
         """Replay every step; RNG, module modes and gradients are handed back however it ends."""
         model = self._shared.model
         self._shared.remember_parameters()
@@ -311,7 +311,7 @@ class ReplayGradientSource:
             for step in self._steps:
                 yield self._replay(step, stash)
 
-    def _replay(self, step: int, stash: list[StashedGradient]) -> tuple[int, Gradient, list[str]]:
+    def _replay(self, step: int, stash: list[StashedGradient]) -> StreamBatch:
         """Recompute ``step``'s block at its stored parameters and batch."""
         shared = self._shared
         self._snapshots.load_parameters(step, shared.model)

@@ -21,7 +21,7 @@ from dattri_llm.gradient.datasets import (
 )
 from dattri_llm.gradient.gradient import GradientRecord
 from dattri_llm.gradient.hooks.config import HookManagerConfig, resolve_hook_assignments
-from dattri_llm.gradient.hooks.hooks import _is_linear_io_capable
+from dattri_llm.gradient.hooks.layers import is_linear_io_capable as _is_linear_io_capable
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 
 
@@ -207,7 +207,7 @@ def test_is_linear_io_capable_ignores_names_and_decides_assignment(monkeypatch):
     }
     import dattri_llm.gradient.hooks.config as config
 
-    monkeypatch.setattr(config, "_is_linear_io_capable", lambda module: False)
+    monkeypatch.setattr(config, "is_linear_io_capable", lambda module: False)
     assert resolve_hook_assignments(model, HookManagerConfig()) == {
         "linear": "param_grad",
         "norm": "param_grad",

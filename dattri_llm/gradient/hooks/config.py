@@ -17,13 +17,15 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from dattri_llm.gradient.hooks.hooks import (
-    _is_linear_io_capable,
-    check_capture_style,
+from dattri_llm.gradient.hooks.layers import (
     is_invasive_capable,
+    is_linear_io_capable,
     owns_trainable_params,
     unwrap_model,
 )
+from dattri_llm.gradient.hooks.linear_io import check_capture_style
+from dattri_llm.gradient.ops.projection import MASK_KEYS, PROJECTION_STYLES
+from dattri_llm.gradient.ops.types import ALL_LAYER_TYPES
 from dattri_llm.options import CaptureStyle
 
 __all__ = [
@@ -120,8 +122,6 @@ def _check_selector(selector: object, field: str) -> Selector:
 
 
 def _check_layer_types(layer_types: object) -> dict[str, str]:
-    from dattri_llm.gradient.ops.types import ALL_LAYER_TYPES
-
     result = _check_str_dict(layer_types, "layer_types")
     for name, layer_type in result.items():
         if not isinstance(layer_type, str):
@@ -149,8 +149,6 @@ def _check_module_kwargs(module_kwargs: object) -> dict[str, dict]:
 
 
 def _check_projection_kwargs(projection_kwargs: object) -> dict[str, dict] | None:
-    from dattri_llm.gradient.ops.projection import MASK_KEYS, PROJECTION_STYLES
-
     if projection_kwargs is None:
         return None
     result = _check_str_dict(projection_kwargs, "projection_kwargs")
@@ -250,7 +248,7 @@ def _default_family(module: nn.Module) -> str | None:
 def _capable(module: nn.Module, family: str) -> bool:
     """Whether a ``family`` selector may add ``module`` (linear_io: a capable type with params)."""
     if family == LINEAR_IO:
-        return _is_linear_io_capable(module) and any(True for _ in module.parameters(recurse=False))
+        return is_linear_io_capable(module) and any(True for _ in module.parameters(recurse=False))
     if family == PARAM_GRAD:
         return owns_trainable_params(module)
     return is_invasive_capable(module)
@@ -269,13 +267,11 @@ def _validate_explicit(
     name: str, family: str, modules: dict[str, nn.Module], config: HookManagerConfig
 ) -> None:
     """Check one ``hook_types`` entry against the model (``ValueError`` naming the layer)."""
-    from dattri_llm.gradient.ops.types import ALL_LAYER_TYPES
-
     if name not in modules:
         raise _unknown_layer_error(name, modules, "hook_types")
     module = modules[name]
     kind = type(module).__name__
-    if family == LINEAR_IO and not _is_linear_io_capable(module):
+    if family == LINEAR_IO and not is_linear_io_capable(module):
         if config.layer_types.get(name) not in ALL_LAYER_TYPES:
             raise ValueError(
                 f"hook_types[{name!r}] = 'linear_io' but {kind} is not a linear_io-capable "

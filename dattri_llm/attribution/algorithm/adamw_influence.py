@@ -54,7 +54,7 @@ from dattri_llm.attribution.algorithm.trajectory.sweep import (
     swept_windows,
 )
 from dattri_llm.gradient.callbacks.optimizer_state_callback import OptimizerStateCallback
-from dattri_llm.gradient.callbacks.training_dynamics_callback import load_training_dynamics
+from dattri_llm.gradient.state.dynamics import load_training_dynamics
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.snapshots import LazyDynamics, TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager

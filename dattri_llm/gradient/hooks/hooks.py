@@ -23,11 +23,7 @@ from typing import Any
 
 from dattri_llm.gradient.hooks.invasive import install_invasive_forward, remove_hooks
 from dattri_llm.gradient.hooks.layer_capture import LayerBuffer, current_forward_token
-from dattri_llm.gradient.hooks.layers import (  # noqa: F401 (unwrap_model, detect_layer_type: old import path)
-    detect_layer_type,
-    hf_conv1d,
-    unwrap_model,
-)
+from dattri_llm.gradient.hooks.layers import hf_conv1d
 from dattri_llm.gradient.hooks.linear_io import (
     check_preconditionable_projection,
     register_linear_io_hooks,

@@ -57,9 +57,6 @@ if TYPE_CHECKING:
 
 __all__ = ["HookManager"]
 
-# Old import path of the backward-target recorder (streaming.py imports it from here).
-_BackwardTargets = BackwardTargets
-
 
 class HookManager:
     """Capture per-sample gradients from any loop that calls ``backward()``.

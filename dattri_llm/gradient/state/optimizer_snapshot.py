@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dattri_llm.gradient.gradient import base_layer_name
-from dattri_llm.gradient.hooks.hooks import detect_layer_type, unwrap_model
+from dattri_llm.gradient.hooks.layers import detect_layer_type, unwrap_model
 from dattri_llm.gradient.ops.optimizer import OPTIMIZER_STATE_KEYS, precondition
 from dattri_llm.gradient.ops.types import NORM_TYPES
 from dattri_llm.gradient.state.layout import _SUPPORTED_TYPES, _lay_out

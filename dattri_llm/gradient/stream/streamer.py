@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader
 from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
-from dattri_llm.gradient.hooks.manager import HookManager, _BackwardTargets
+from dattri_llm.gradient.hooks.installation import BackwardTargets
+from dattri_llm.gradient.hooks.manager import HookManager
 from dattri_llm.gradient.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.stream.inputs import check_dataset, make_loader
 from dattri_llm.gradient.stream.replay import open_snapshots
@@ -479,7 +480,7 @@ class GradientStreamer:
             block = unscale_gradient(block, float(self._scaler.get_scale()))
         return block, record_identifiers(record)
 
-    def _backward_targets(self) -> AbstractContextManager[_BackwardTargets | None]:
+    def _backward_targets(self) -> AbstractContextManager[BackwardTargets | None]:
         """Where a frozen probe may backpropagate to the hooked outputs only.
 
         A probe discards its parameter gradients, so when every capture comes

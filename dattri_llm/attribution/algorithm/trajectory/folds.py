@@ -28,7 +28,7 @@ import torch
 
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
 from dattri_llm.attribution.algorithm.trajectory.sweep import Columns, Fold, WindowRows, select
-from dattri_llm.gradient.ops.optimizer import adam_preconditioner
+from dattri_llm.gradient.ops.adamw_influence import adam_preconditioner
 
 ADAMW_OPTIMIZERS = ("Adam", "AdamW")
 

@@ -54,9 +54,9 @@ from dattri_llm.attribution.algorithm.trajectory.sweep import (
     swept_windows,
 )
 from dattri_llm.gradient.callbacks.optimizer_state_callback import OptimizerStateCallback
-from dattri_llm.gradient.state.dynamics import load_training_dynamics
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.snapshots import LazyDynamics, TrajectorySnapshots
+from dattri_llm.gradient.state.dynamics import load_training_dynamics
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.atomic import atomic_torch_save
 from dattri_llm.utils.keywords import keywords

@@ -7,10 +7,10 @@ import pytest
 import torch
 from store_helpers import assert_gradients_equal, build_gradient, make_gradient, make_records
 
-import dattri_llm.gradient.storage_manager as storage_manager
 from dattri_llm.gradient.datasets import concatenate_gradients, iter_gradient_blocks, resolve_steps
 from dattri_llm.gradient.gradient import Factorized, GradientRecord
 from dattri_llm.gradient.storage_manager import GradientStorageManager
+from dattri_llm.gradient.store import residency as store_residency
 from dattri_llm.gradient.streaming import (
     DiskGradientSource,
     GradientSource,
@@ -86,8 +86,8 @@ def test_each_group_is_loaded_once(tmp_path, monkeypatch):
     fill(store)
     source = DiskGradientSource(store, make_args())
     calls = []
-    real = storage_manager.load_group_file
-    monkeypatch.setattr(storage_manager, "load_group_file", lambda p: calls.append(p) or real(p))
+    real = store_residency.load_group_file
+    monkeypatch.setattr(store_residency, "load_group_file", lambda p: calls.append(p) or real(p))
     assert len(list(source)) == 6
     assert len(calls) == 3
 

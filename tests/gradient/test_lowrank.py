@@ -18,6 +18,7 @@ from dattri_llm.gradient.lowrank import (
     require_raw_factors,
 )
 from dattri_llm.gradient.storage_manager import GradientStorageManager
+from dattri_llm.gradient.store import format as store_format
 
 
 def _factors(batch: int, tokens: int, d_in: int, d_out: int, seed: int, dtype=torch.float64):
@@ -158,16 +159,16 @@ def test_rank_directories_of_different_c_are_refused(tmp_path):
 def test_store_killed_mid_write_stays_readable(tmp_path, monkeypatch):
     store = GradientStorageManager(tmp_path, low_rank=2)
     store.save_bulk([_record(0, seed=12)])
-    real_write = sm._BinLayout.write
+    real_write = store_format._BinLayout.write
 
     def killed(self, fh):
         fh.write(b"\0" * (self.size // 2))
         raise KeyboardInterrupt("killed mid-write")
 
-    monkeypatch.setattr(sm._BinLayout, "write", killed)
+    monkeypatch.setattr(store_format._BinLayout, "write", killed)
     with pytest.raises(KeyboardInterrupt):
         store.save_bulk([_record(1, seed=13)])
-    monkeypatch.setattr(sm._BinLayout, "write", real_write)
+    monkeypatch.setattr(store_format._BinLayout, "write", real_write)
     reopened = GradientStorageManager(tmp_path)
     assert reopened.low_rank == 2 and reopened.available_steps() == [0]
     [got] = reopened.load_records(reopened.locations()[0])

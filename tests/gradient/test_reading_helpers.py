@@ -14,7 +14,6 @@ import torch
 from store_helpers import assert_gradients_equal, build_gradient, make_gradient, make_records
 from torch import nn
 
-import dattri_llm.gradient.storage_manager as storage_manager
 from dattri_llm.gradient.datasets import (
     GradientFileMultiStepDataset,
     make_gradient_multistep_dataloader,
@@ -23,6 +22,7 @@ from dattri_llm.gradient.gradient import GradientRecord
 from dattri_llm.gradient.hooks.config import HookManagerConfig, resolve_hook_assignments
 from dattri_llm.gradient.hooks.layers import is_linear_io_capable as _is_linear_io_capable
 from dattri_llm.gradient.storage_manager import GradientStorageManager
+from dattri_llm.gradient.store import residency as store_residency
 
 
 def make_args(workers=0, pin=False, persistent=False, prefetch=None):
@@ -83,8 +83,8 @@ def test_an_item_reads_its_file_once(tmp_path, monkeypatch):
     store, _ = filled_store(tmp_path / "s")
     dataset = GradientFileMultiStepDataset(store, range(6))
     calls = []
-    real = storage_manager.load_group_file
-    monkeypatch.setattr(storage_manager, "load_group_file", lambda p: calls.append(p) or real(p))
+    real = store_residency.load_group_file
+    monkeypatch.setattr(store_residency, "load_group_file", lambda p: calls.append(p) or real(p))
     item = dataset[1]
     assert list(item) == [2, 3] and len(calls) == 1
 

@@ -23,13 +23,14 @@ from store_helpers import (
     shuffled_records,
 )
 
-import dattri_llm.gradient.storage_manager as sm
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
 from dattri_llm.gradient.storage_manager import (
     DISK_FORMATS,
     GradientStorageManager,
     projection_record,
 )
+from dattri_llm.gradient.store import format as store_format
+from dattri_llm.gradient.store import ranks as store_ranks
 from dattri_llm.utils.hashing import hash_sample
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -220,14 +221,14 @@ def test_rank_directories_are_merged(tmp_path, monkeypatch):
     root = tmp_path / "s"
     GradientStorageManager(root).save_bulk([GradientRecord(0, ["a"], make_gradient("dense", 0, 1))])
     for rank in (1, 0):
-        monkeypatch.setattr(sm, "dist_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(store_ranks, "dist_rank", lambda rank=rank: rank)
         store = GradientStorageManager(root)
-        assert store._write_dir is None  # resolved at the first save, not at construction
+        assert store._backend.write_dir is None  # resolved at the first save, not at construction
         location = store.save_bulk(
             [GradientRecord(10 + rank, [f"r{rank}"], make_gradient("dense", rank, 1))]
         )
         assert location == f"rank_{rank}/batch_000000.mmap"
-    monkeypatch.setattr(sm, "dist_rank", lambda: None)
+    monkeypatch.setattr(store_ranks, "dist_rank", lambda: None)
     merged = GradientStorageManager(root)
     assert merged.locations() == [
         "batch_000000.mmap",
@@ -705,7 +706,7 @@ def test_writer_racing_another_one_never_overwrites_its_group(tmp_path, monkeypa
     """B saves while A writes its first group: both groups survive (names claimed exclusively)."""
     root = tmp_path / "s"
     a, b = GradientStorageManager(root), GradientStorageManager(root)
-    real_write = sm.atomic_write
+    real_write = store_format.atomic_write
     raced = []
 
     def racing_write(path, write):
@@ -715,7 +716,7 @@ def test_writer_racing_another_one_never_overwrites_its_group(tmp_path, monkeypa
             b.save_bulk([GradientRecord(1, ["b"], make_gradient("dense", 1, 1))])
         return real_write(path, write)
 
-    monkeypatch.setattr(sm, "atomic_write", racing_write)
+    monkeypatch.setattr(store_format, "atomic_write", racing_write)
     a.save_bulk([GradientRecord(0, ["a"], make_gradient("dense", 0, 1))])
     merged = GradientStorageManager(root)
     assert len(merged.locations()) == 2

@@ -35,9 +35,9 @@ from free_port import free_port
 from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.gradient import storage_manager as sm
 from dattri_llm.gradient.gradient import GradientRecord
 from dattri_llm.gradient.storage_manager import RANKS_FILE, GradientStorageManager
-from dattri_llm.gradient.store import ranks as store_ranks
 from dattri_llm.utils.hashing import hash_sample
 
 RUNS = [(wrap, False) for wrap in WRAPS] + [("ddp", True), ("fsdp1", True)]
@@ -189,10 +189,10 @@ def test_rank_without_an_indexed_group_is_missing_until_it_is_re_run(ddp_store, 
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\]"):
         GradientStorageManager(ddp_store).available_steps()
     # Re-running rank 1 into the store (as its process would) makes it whole again.
-    monkeypatch.setattr(store_ranks, "dist_rank", lambda: 1)
-    monkeypatch.setattr(store_ranks, "dist_world_size", lambda: WORLD)
+    monkeypatch.setattr(sm, "dist_rank", lambda: 1)
+    monkeypatch.setattr(sm, "dist_world_size", lambda: WORLD)
     GradientStorageManager(ddp_store).save_bulk(saved)
-    monkeypatch.setattr(store_ranks, "dist_rank", lambda: None)
+    monkeypatch.setattr(sm, "dist_rank", lambda: None)
     store = GradientStorageManager(ddp_store)
     for record in saved:
         for identifier in record.input_hash:
@@ -204,12 +204,12 @@ def test_store_without_rank_files_reads_the_ranks_present(tmp_path, monkeypatch)
     from store_helpers import make_gradient
 
     for rank in range(WORLD):
-        monkeypatch.setattr(store_ranks, "dist_rank", lambda rank=rank: rank)
-        monkeypatch.setattr(store_ranks, "dist_world_size", lambda: WORLD)
+        monkeypatch.setattr(sm, "dist_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(sm, "dist_world_size", lambda: WORLD)
         GradientStorageManager(tmp_path).save_bulk(
             [GradientRecord(rank, [f"r{rank}"], make_gradient("dense", rank, 1))]
         )
-    monkeypatch.setattr(store_ranks, "dist_rank", lambda: None)
+    monkeypatch.setattr(sm, "dist_rank", lambda: None)
     shutil.rmtree(tmp_path / "rank_1")
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\]"):
         GradientStorageManager(tmp_path).available_steps()

@@ -23,6 +23,7 @@ from store_helpers import (
     shuffled_records,
 )
 
+import dattri_llm.gradient.storage_manager as sm
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
 from dattri_llm.gradient.storage_manager import (
     DISK_FORMATS,
@@ -30,7 +31,6 @@ from dattri_llm.gradient.storage_manager import (
     projection_record,
 )
 from dattri_llm.gradient.store import format as store_format
-from dattri_llm.gradient.store import ranks as store_ranks
 from dattri_llm.utils.hashing import hash_sample
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -221,14 +221,14 @@ def test_rank_directories_are_merged(tmp_path, monkeypatch):
     root = tmp_path / "s"
     GradientStorageManager(root).save_bulk([GradientRecord(0, ["a"], make_gradient("dense", 0, 1))])
     for rank in (1, 0):
-        monkeypatch.setattr(store_ranks, "dist_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(sm, "dist_rank", lambda rank=rank: rank)
         store = GradientStorageManager(root)
         assert store._backend.write_dir is None  # resolved at the first save, not at construction
         location = store.save_bulk(
             [GradientRecord(10 + rank, [f"r{rank}"], make_gradient("dense", rank, 1))]
         )
         assert location == f"rank_{rank}/batch_000000.mmap"
-    monkeypatch.setattr(store_ranks, "dist_rank", lambda: None)
+    monkeypatch.setattr(sm, "dist_rank", lambda: None)
     merged = GradientStorageManager(root)
     assert merged.locations() == [
         "batch_000000.mmap",

@@ -9,11 +9,11 @@ import pytest
 import torch
 from store_helpers import assert_gradients_equal, assert_records_equal, build_gradient
 
+import dattri_llm.gradient.storage_manager as sm
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.gradient.gradient import Factorized, GradientRecord
 from dattri_llm.gradient.storage_manager import GradientStorageManager
-from dattri_llm.gradient.store import ranks
 
 META = {"format": 2, "sample_id_key": None, "gradient_accumulation_steps": 1}
 
@@ -286,10 +286,10 @@ def test_written_pickle_group_is_a_list_of_records(tmp_path):
 
 def test_rank_directory_resolved_at_first_write_through_module_dist_rank(tmp_path, monkeypatch):
     store = GradientStorageManager(tmp_path)
-    monkeypatch.setattr(ranks, "dist_rank", lambda: 3)  # looked up when the first group is written
+    monkeypatch.setattr(sm, "dist_rank", lambda: 3)  # looked up when the first group is written
     location = store.save_bulk([GradientRecord(0, ["a"], mixed_gradient(0, 1))])
     assert location == "rank_3/batch_000000.mmap"
-    monkeypatch.setattr(ranks, "dist_rank", lambda: 4)  # frozen after the first write
+    monkeypatch.setattr(sm, "dist_rank", lambda: 4)  # frozen after the first write
     assert (
         store.save_bulk([GradientRecord(1, ["b"], mixed_gradient(1, 1))])
         == "rank_3/batch_000001.mmap"

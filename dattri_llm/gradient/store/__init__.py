@@ -41,11 +41,11 @@ Reading never runs code from the files: pickle groups and ``.mmap.meta`` files
 load with ``torch.load(weights_only=True)``, only this library's record classes
 allowed besides tensors and plain containers.
 
-Modules, one job each: `format` (the group files' codec), `index` (the log
+The parts, one job each: `format` (the group files' codec), `index` (the log
 and the live index), `sidecars` (store-wide settings and their files), `ranks`
-(rank directories and completeness), `residency` (disk or RAM homes of the
-groups), `manager` (`GradientStorageManager`, the front composing them) and
-`async_writer` (`AsyncGradientWriter`, saving on a background thread). Their
-public names are importable from ``dattri_llm.gradient.storage_manager`` and
-``dattri_llm.gradient.async_writer``.
+(rank directories and completeness) and `residency` (disk or RAM homes of the
+groups). The front that composes them, `GradientStorageManager`, lives at its
+public path ``dattri_llm.gradient.storage_manager`` (where the process rank is
+looked up, so that patching ``storage_manager.dist_rank`` reaches the store),
+beside `AsyncGradientWriter` in ``dattri_llm.gradient.async_writer``.
 """

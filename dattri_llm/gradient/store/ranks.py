@@ -12,11 +12,23 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Protocol
 
 from dattri_llm.gradient.store.sidecars import read_json, write_json
-from dattri_llm.utils.distributed import dist_rank, dist_world_size
 
 RANKS_FILE = "ranks.json"
+
+
+class ProcessRank(Protocol):
+    """Where a store asks for this process's rank and world size (looked up at call time)."""
+
+    def rank(self) -> int | None:
+        """Global rank, ``None`` outside a process group."""
+
+    def world_size(self) -> int:
+        """Number of processes of the group."""
+
+
 _RANK_DIR_RE = re.compile(r"^rank_(\d+)$")
 
 
@@ -27,24 +39,25 @@ def store_dirs(save_dir: Path) -> list[Path]:
     return [save_dir] + sorted(p for p in save_dir.glob("rank_*") if p.is_dir())
 
 
-def rank_write_dir(save_dir: Path) -> tuple[Path, str]:
+def rank_write_dir(save_dir: Path, process: ProcessRank) -> tuple[Path, str]:
     """This process's write directory (created) and its handle prefix ``"rank_<r>/"`` or ``""``.
 
-    Under a process group the directory is ``save_dir/rank_<r>`` and its
-    ``ranks.json`` records ``{"rank", "world_size"}`` of this run.
+    Under a process group (``process.rank()`` not ``None``) the directory is
+    ``save_dir/rank_<r>`` and its ``ranks.json`` records ``{"rank", "world_size"}``
+    of this run.
     """
-    rank = dist_rank()
+    rank = process.rank()
     prefix = "" if rank is None else f"rank_{rank}/"
     write_dir = save_dir if rank is None else save_dir / f"rank_{rank}"
     write_dir.mkdir(parents=True, exist_ok=True)
     if rank is not None:
-        _write_rank_file(write_dir, rank)
+        _write_rank_file(write_dir, rank, process.world_size())
     return write_dir, prefix
 
 
-def _write_rank_file(write_dir: Path, rank: int) -> None:
+def _write_rank_file(write_dir: Path, rank: int, world_size: int) -> None:
     """Record ``{"rank", "world_size"}`` of this run in ``write_dir/ranks.json``."""
-    content = {"rank": rank, "world_size": dist_world_size()}
+    content = {"rank": rank, "world_size": world_size}
     path = write_dir / RANKS_FILE
     if not path.exists() or read_json(path) != content:
         write_json(path, content)

@@ -35,7 +35,7 @@ from dattri_llm.gradient.store.index import (
     record_identifiers,
     repair_log_tail,
 )
-from dattri_llm.gradient.store.ranks import RankShards, rank_write_dir, store_dirs
+from dattri_llm.gradient.store.ranks import ProcessRank, RankShards, rank_write_dir, store_dirs
 from dattri_llm.gradient.store.sidecars import SIDECAR_FILE, StoreSettings
 from dattri_llm.options import CacheResidency, DiskFormat
 from dattri_llm.utils.cache import TensorCache
@@ -102,8 +102,10 @@ class DiskResidency:
         settings: StoreSettings,
         index: StoreIndex,
         ranks: RankShards,
+        process: ProcessRank,
     ) -> None:
         self._save_dir = save_dir
+        self._process = process
         self._disk_format = disk_format
         self._settings = settings
         self._index = index
@@ -200,7 +202,7 @@ class DiskResidency:
         """Per-rank write directory, created and prepared at the first save."""
         if self.write_dir is not None:
             return self.write_dir
-        write_dir, self._write_prefix = rank_write_dir(self._save_dir)
+        write_dir, self._write_prefix = rank_write_dir(self._save_dir, self._process)
         repair_log_tail(write_dir / INDEX_FILE)
         self._next_batch = _next_batch_number(write_dir)
         self._settings.attach(write_dir, (write_dir / INDEX_FILE).exists())

@@ -1,4 +1,4 @@
-"""Rotating kept EK-FAC blocks into the eigenbasis (``_ekfac_eigenbasis``).
+"""Rotating kept EK-FAC blocks into the eigenbasis (``kronecker.ekfac``).
 
 Against per-sample weight gradients ``dW`` from torch.func: in mode ``"both"`` a kept
 layer materializes to ``U_Gᵀ·dW·U_A`` (as the smaller of rotated factors and
@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dattri_llm.attribution.algorithm._ekfac_eigenbasis import (
+from dattri_llm.attribution.algorithm.kronecker.ekfac import (
     BOTH,
     GRADIENT,
     eigenbasis_mode,
     precondition_in_eigenbasis,
     rotated_block,
 )
-from dattri_llm.attribution.algorithm._kfac_plan import KeptPasses
+from dattri_llm.attribution.algorithm.kronecker.plan import KeptPasses
 from dattri_llm.gradient.gradient import Factorized, Gradient
 from dattri_llm.gradient.ops import extract_module_kwargs
 

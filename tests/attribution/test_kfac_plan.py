@@ -17,11 +17,15 @@ from kfac_helpers import (
     linear_kronecker_token_scores,
 )
 
-from dattri_llm.attribution.algorithm._kfac_plan import (
+from dattri_llm.attribution.algorithm.kronecker import (
+    FISHER_FILE,
+    EKFACAttributor,
+    KFACAttributor,
+)
+from dattri_llm.attribution.algorithm.kronecker.plan import (
     DEFAULT_KEPT_GRADIENT_BUDGET,
     KeptPasses,
 )
-from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.task import AttributionTask
 
@@ -158,7 +162,7 @@ def test_covariances_accumulated_once_per_layer_and_batch(
 @pytest.mark.parametrize("budget", [None, 0])
 @pytest.mark.parametrize("factors", [True, False])
 def test_ekfac_rotation_routes_give_identical_scores(tmp_path, factors, budget, monkeypatch):
-    from dattri_llm.attribution.algorithm import _ekfac_eigenbasis, kronecker
+    from dattri_llm.attribution.algorithm.kronecker import ekfac
 
     routes = []
 
@@ -166,8 +170,7 @@ def test_ekfac_rotation_routes_give_identical_scores(tmp_path, factors, budget, 
         routes.append((s, k, d))
         return factors
 
-    monkeypatch.setattr(kronecker, "ekfac_rotation_prefers_factors", rule)
-    monkeypatch.setattr(_ekfac_eigenbasis, "ekfac_rotation_prefers_factors", rule)
+    monkeypatch.setattr(ekfac, "ekfac_rotation_prefers_factors", rule)
     model, train, test = _setup()
     score = _attribute(tmp_path, EKFACAttributor, model, train, test, budget)
     assert routes  # the eigenvalue pass asked the cost rule for each factorized layer
@@ -188,12 +191,12 @@ def test_ekfac_scores_kept_blocks_in_the_eigenbasis(
 ):
     """Every block kept: the eigenvalue pass rotates them and the queries are not rotated
     back; a re-run or part-kept plan rotates the queries back. Scores match the reference."""
-    from dattri_llm.attribution.algorithm import kronecker
+    from dattri_llm.attribution.algorithm.kronecker import ekfac
 
     calls = []
-    original = kronecker.ekfac_precondition
+    original = ekfac.ekfac_precondition
     monkeypatch.setattr(
-        kronecker, "ekfac_precondition", lambda *a, **k: calls.append(1) or original(*a, **k)
+        ekfac, "ekfac_precondition", lambda *a, **k: calls.append(1) or original(*a, **k)
     )
     model, train, test = _setup()
     score = _attribute(tmp_path, EKFACAttributor, model, train, test, budget, granularity)
@@ -208,15 +211,15 @@ def test_ekfac_rotates_only_the_gradient_side_when_full_rotations_exceed_the_bud
     """Rotated factors gain the bias column (token scores keep factors): a budget that
     holds the captured blocks but not their full rotations keeps ``g·U_G`` only, and the
     queries are rotated back on the activation side; scores are unchanged."""
-    from dattri_llm.attribution.algorithm import kronecker
+    from dattri_llm.attribution.algorithm.kronecker import ekfac
 
     model, train, test = _setup()
     first = _attribute(tmp_path, EKFACAttributor, model, train, test, None, "token")
     kept_bytes = first.algorithm_meta["pass_plan"]["kept_bytes"]
     modes = []
-    original = kronecker.precondition_in_eigenbasis
+    original = ekfac.precondition_in_eigenbasis
     monkeypatch.setattr(
-        kronecker,
+        ekfac,
         "precondition_in_eigenbasis",
         lambda coords, u_a, lam, mode: modes.append(mode) or original(coords, u_a, lam, mode),
     )
@@ -226,6 +229,42 @@ def test_ekfac_rotates_only_the_gradient_side_when_full_rotations_exceed_the_bud
     _same(tight.scores, first.scores, "ekfac")
     expected = _reference(model, train, test, "ekfac", token=True)
     _close(tight.scores.reshape(expected.shape), expected)
+
+
+@pytest.mark.parametrize(("cls", "method", "passes"), METHODS)
+@pytest.mark.parametrize("granularity", ["instance", "token"])
+@pytest.mark.parametrize("budget", [None, 0])
+def test_repeated_call_with_its_saved_fit_gives_the_same_bits(
+    tmp_path, cls, method, passes, granularity, budget
+):
+    """A call that reads back the fit its first call wrote (same damping) returns that call's
+    scores bit for bit: an EK-FAC fit whose plan kept every block is scored in the eigenbasis
+    again. The repeat runs the model once."""
+    model, train, test = _setup()
+    args = AttributionArguments(
+        output_dir=str(tmp_path / "o"),
+        use_cpu=True,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=2,
+    )
+    attributor = cls(args, task=AttributionTask(dict_loss, model))
+
+    def call():
+        return attributor.attribute(
+            dict_samples(train),
+            dict_samples(test),
+            damping=DAMPING,
+            kept_gradient_budget=budget,
+            attribution_granularity=granularity,
+            fit_dir=str(tmp_path / "fit"),
+        )
+
+    first = call()
+    assert first.algorithm_meta["pass_plan"]["source_passes"] == (1 if budget is None else passes)
+    assert (tmp_path / "fit" / FISHER_FILE).is_file()
+    again = call()
+    assert torch.equal(again.scores, first.scores)
+    assert again.algorithm_meta["pass_plan"]["source_passes"] == 1
 
 
 def test_kept_passes_replay_without_recomputing_the_kept_suffix():

@@ -188,6 +188,17 @@ def test_randomized_range_finder_matches_woodbury_and_fit_persists(tmp_path):
     _scale_close(fresh.scores, expected, 1e-6)
 
 
+def test_repeated_call_with_its_saved_fit_gives_the_same_bits(tmp_path):
+    tr, _ = _wide_store(tmp_path / "train", 8, 0)
+    te, _ = _wide_store(tmp_path / "test", 3, 1)
+    attributor = LoRIFAttributor(_args(tmp_path / "a"), rank=None, svd_rank=2)
+    fit_dir = str(tmp_path / "fit")
+    first = attributor.attribute_from_cache(tr, te, fit_dir=fit_dir)  # fits, writes the fit
+    assert (tmp_path / "fit" / FIT_FILE).is_file()
+    again = attributor.attribute_from_cache(tr, te, fit_dir=fit_dir)  # reads it back
+    assert torch.equal(again.scores, first.scores)
+
+
 def test_cache_writes_rank_c_train_store_and_token_scores(tmp_path):
     pytest.importorskip("transformers")
     torch.manual_seed(0)

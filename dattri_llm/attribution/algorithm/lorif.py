@@ -29,11 +29,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from dattri_llm.attribution.algorithm.kronecker.persistence import (
+    fit_path,
+    fit_settings,
+    read_fit,
+    write_fit,
+)
 from dattri_llm.attribution.base import BaseInnerProductAttributor
-from dattri_llm.attribution.utils import normalize_layer_names, per_sample_layers
+from dattri_llm.attribution.utils import per_sample_layers
 from dattri_llm.gradient.lowrank import check_low_rank, is_low_rank, low_rank_gradient
 from dattri_llm.gradient.ops.materialize import materialize
-from dattri_llm.utils.atomic import atomic_torch_save
 from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
@@ -335,51 +340,38 @@ class LoRIFAttributor(BaseInnerProductAttributor):
 
     def save_fit(self, fits: Mapping[str, LoRIFLayerFit], fit_dir: str | Path | None) -> Path:
         """Write a damping-free fit to ``<fit_dir>/lorif_fit.pt`` atomically; return the dir."""
-        directory = Path(fit_dir or self.default_fit_dir()).expanduser()
-        if self.args.should_log:
-            directory.mkdir(parents=True, exist_ok=True)
-            payload = {
-                "algorithm": self.algorithm,
-                "meta": self.fit_meta(),
+        return write_fit(
+            Path(fit_dir or self.default_fit_dir()).expanduser(),
+            FIT_FILE,
+            self.algorithm,
+            self.fit_meta(),
+            lambda: {
                 "svd_rank": self.svd_rank,
                 "layers": {name: fit.as_dict() for name, fit in fits.items()},
-            }
-            atomic_torch_save(payload, directory / FIT_FILE)
-        return directory
+            },
+            should_log=self.args.should_log,
+        )
 
     def load_fit(self, fit_dir: str | Path) -> dict[str, LoRIFLayerFit]:
         """Load a fit written by :meth:`save_fit` (``weights_only=True``; settings must match).
 
         A fit with more singular directions than ``svd_rank`` is truncated; damping may differ.
         """
-        path = Path(fit_dir).expanduser() / FIT_FILE
-        if not path.is_file():
-            raise ValueError(f"no LoRIF fit at {str(path)!r}; run LoRIFAttributor.fit(...) first.")
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        if payload.get("algorithm") != self.algorithm:
-            raise ValueError(
-                f"{str(path)!r} holds a {payload.get('algorithm')} fit, not a LoRIF fit; use "
-                "another fit_dir."
-            )
-        stored = payload.get("meta", {})
-        different = {
-            k: (stored.get(k), v) for k, v in self.fit_meta().items() if stored.get(k) != v
-        }
-        if different:
-            raise ValueError(
-                f"the fit in {str(path)!r} was made with different settings "
-                f"{{setting: (stored, requested)}} = {different}; refit with fit(...) or use "
-                "another fit_dir (svd_rank may be smaller, damping may differ)."
-            )
+        path = fit_path(fit_dir, FIT_FILE)
+        payload = read_fit(
+            path,
+            self.algorithm,
+            self.fit_meta(),
+            missing=f"no LoRIF fit at {str(path)!r}; run LoRIFAttributor.fit(...) first.",
+            other="not a LoRIF fit; use another fit_dir",
+            may_differ="svd_rank may be smaller, damping may differ",
+        )
         fits = {name: LoRIFLayerFit(**entry) for name, entry in payload["layers"].items()}
         return {name: self._resolved_svd_rank(name, fit) for name, fit in fits.items()}
 
     def _start_call(self, layer_name: Any, steps: Iterable[int] | None) -> None:
         """Reset per-call state: the fit belongs to one call's selection."""
-        self._fit_settings = {
-            "layer_name": normalize_layer_names(layer_name),
-            "selected_training_steps": None if steps is None else sorted(set(steps)),
-        }
+        self._fit_settings = fit_settings(layer_name, steps)
         self.layer_fits = None
         self._loaded_fits = None
 
@@ -543,7 +535,7 @@ class LoRIFAttributor(BaseInnerProductAttributor):
         """
         self._start_call(layer_name, selected_training_steps)
         write_to = None
-        if fit_dir is not None and (Path(fit_dir).expanduser() / FIT_FILE).is_file():
+        if fit_dir is not None and fit_path(fit_dir, FIT_FILE).is_file():
             self._loaded_fits = self.load_fit(fit_dir)
         else:
             write_to = fit_dir

@@ -551,6 +551,7 @@ def test_projection_factory_in_use_is_recorded_and_mismatch_refused(tmp_path, mo
     import types
 
     import dattri_llm.gradient.ops.projection as projection
+    import dattri_llm.gradient.ops.projector as projector
     from dattri_llm.attribution.algorithm.tracin import TracInAttributor
     from dattri_llm.attribution.arguments import AttributionArguments
 
@@ -561,7 +562,7 @@ def test_projection_factory_in_use_is_recorded_and_mismatch_refused(tmp_path, mo
         ("builtin", projection.random_project),
         ("dattri", stand_in.random_project),
     ):
-        monkeypatch.setattr(projection, "_default_factory", lambda factory=factory: factory)
+        monkeypatch.setattr(projector, "_default_factory", lambda factory=factory: factory)
         store = GradientStorageManager(tmp_path / name)
         store.declare_projection(LOGRA)  # projector=None: the default factory in use
         layers = {"lin": ("materialized", "nn.Linear", "batch", x)}

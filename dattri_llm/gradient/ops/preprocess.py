@@ -40,12 +40,13 @@ Float tensors are processed in the compute dtype (``dtypes.resolve``).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dattri_llm.gradient.model.records import Factorized
 from dattri_llm.gradient.ops import dtypes
 from dattri_llm.gradient.ops.norm import (
     fold_positions,
@@ -64,9 +65,6 @@ from dattri_llm.gradient.ops.types import (
     is_linear,
     is_norm,
 )
-
-if TYPE_CHECKING:
-    from dattri_llm.gradient.gradient import Factorized
 
 _INSTANCE_NORM_TYPES = frozenset({"nn.InstanceNorm1d", "nn.InstanceNorm2d", "nn.InstanceNorm3d"})
 

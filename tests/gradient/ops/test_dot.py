@@ -37,6 +37,7 @@ from dattri_llm.utils.cache import TensorCache
 
 # the module itself (the ops package re-exports a function named ``dot``)
 dot_module = importlib.import_module("dattri_llm.gradient.ops.dot")
+kernels_module = importlib.import_module("dattri_llm.gradient.ops.dot_kernels")
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 MODES = ["auto", "factorized", "materialized"]
 
@@ -162,8 +163,8 @@ def test_factor_functions_match_wrappers(case_id):
 )
 def test_tiny_blocks_give_the_same_result(case_id, block, monkeypatch):
     """Chunked loops (samples, token rows, side-2 columns, id blocks) are exact."""
-    monkeypatch.setattr(dot_module, "_BLOCK_ELEMENTS", block)
-    monkeypatch.setattr(dot_module, "_MIN_GHOST_ROWS", 2)
+    monkeypatch.setattr(kernels_module, "_BLOCK_ELEMENTS", block)
+    monkeypatch.setattr(kernels_module, "_MIN_GHOST_ROWS", 2)
     lt = layer_case(case_id).layer_type
     f1, f2, f3 = side(case_id, 0), side(case_id, 1), side(case_id, 2)
     gram = dense(case_id, 0) @ dense(case_id, 1).T

@@ -11,7 +11,7 @@ import torch
 from projection_helpers import capture_factors, reference_grads, reference_layout
 from torch import nn
 
-from dattri_llm.gradient.ops import projection
+from dattri_llm.gradient.ops import mask_kernels, projection
 from dattri_llm.gradient.ops.preprocess import extract_module_kwargs
 from dattri_llm.gradient.ops.projection import DattriProjector, mask_factors
 
@@ -81,7 +81,7 @@ def test_materialized_route_chunks_samples(monkeypatch):
     a, g, layer_type, kwargs, ref = _case("linear")
     idx = DattriProjector().mask_indices(ref.shape[1], proj_dim=9, proj_seed=1, device="cpu")
     _forced(monkeypatch, True)
-    monkeypatch.setattr(projection, "_MASK_GATHER_ELEMENTS", ref.shape[1])  # one sample a chunk
+    monkeypatch.setattr(mask_kernels, "_MASK_GATHER_ELEMENTS", ref.shape[1])  # one sample a chunk
     got = mask_factors(a, g, layer_type, None, kwargs, proj_dim=9, proj_seed=1)
     torch.testing.assert_close(got, ref[:, idx], rtol=1e-5, atol=1e-6)
     a, g, layer_type, kwargs, ref = _case("embedding")

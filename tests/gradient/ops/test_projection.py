@@ -13,7 +13,7 @@ from projection_helpers import capture_factors, reference_grads, reference_layou
 from torch import nn
 
 from dattri_llm.gradient.gradient import Factorized
-from dattri_llm.gradient.ops import projection as proj_mod
+from dattri_llm.gradient.ops import projector as proj_mod
 from dattri_llm.gradient.ops.materialize import materialize_factors
 from dattri_llm.gradient.ops.preprocess import extract_module_kwargs
 from dattri_llm.gradient.ops.projection import (

@@ -15,11 +15,6 @@ from dattri_llm.gradient.model.records import (
     base_layer_name,
 )
 
-# Old path of a private helper, still imported from here by ops/kronecker.py.
-from dattri_llm.gradient.ops.materialize import (
-    _materialized_width_estimate as _materialized_width_estimate,
-)
-
 __all__ = [
     "Factorized",
     "Gradient",

@@ -38,7 +38,7 @@ from dattri_llm.gradient.model.records import (
     _tensor_nbytes,
 )
 from dattri_llm.gradient.model.validation import validate_batch_sizes, validate_layer
-from dattri_llm.gradient.ops.materialize import _materialized_width_estimate, materialize
+from dattri_llm.gradient.ops.materialize import materialize, materialized_width_estimate
 from dattri_llm.gradient.ops.projection import DattriProjector, project_layer
 from dattri_llm.gradient.ops.similarity import block_similarity, block_similarity_per_token
 from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
@@ -243,7 +243,7 @@ class Gradient(GradientLayout):
                 total += _tensor_nbytes(value)
                 continue
             f = value.as_batch_first()
-            width = _materialized_width_estimate(f, self.layer_types[name])
+            width = materialized_width_estimate(f, self.layer_types[name])
             total += f.activation.shape[0] * width * f.pre_activation_grad.element_size()
         return total
 

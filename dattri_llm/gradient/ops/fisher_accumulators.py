@@ -16,15 +16,17 @@ from dattri_llm.gradient.ops.layer_sums import (
     accumulator_layer_type,
     all_reduce_layer_accumulators,
 )
-from dattri_llm.gradient.ops.materialize import materialize, materialize_factors
+from dattri_llm.gradient.ops.materialize import (
+    materialize,
+    materialize_factors,
+    materialized_width_estimate,
+)
 from dattri_llm.gradient.ops.types import is_embedding
-from dattri_llm.gradient.ops.widths import materialized_width_estimate
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    # repointed to gradient.model.records at integration (Factorized; Gradient is the container)
-    from dattri_llm.gradient.gradient import Factorized, Gradient
+    from dattri_llm.gradient.model.records import Factorized, GradientBlock
 
 Tensor = torch.Tensor
 
@@ -133,7 +135,7 @@ class FisherAccumulator:
         """``{layer: param_count}`` of the layers dropped for exceeding ``max_params``."""
         return dict(self._skipped)
 
-    def update(self, gradient: Gradient, layers: Iterable[str]) -> None:
+    def update(self, gradient: GradientBlock, layers: Iterable[str]) -> None:
         """Accumulate the named layers of a block (dense as ``(B, P)``, factorized materialized).
 
         Absent layers are skipped. A factorized layer's type may be a short alias

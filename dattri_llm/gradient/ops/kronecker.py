@@ -62,8 +62,7 @@ from dattri_llm.gradient.ops.materialize import materialize_factors
 from dattri_llm.gradient.ops.types import is_conv_transpose
 
 if TYPE_CHECKING:
-    # repointed to gradient.model.records at integration
-    from dattri_llm.gradient.gradient import Factorized
+    from dattri_llm.gradient.model.records import Factorized
 
 Tensor = torch.Tensor
 

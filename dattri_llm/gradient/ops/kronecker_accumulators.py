@@ -20,7 +20,7 @@ from dattri_llm.gradient.ops.layer_sums import (
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from dattri_llm.gradient.gradient import Gradient
+    from dattri_llm.gradient.model.records import GradientBlock
 
 Tensor = torch.Tensor
 
@@ -170,7 +170,7 @@ class KroneckerAccumulator:
 
     layers: dict[str, LayerKroneckerAccumulator] = field(default_factory=dict, init=False)
 
-    def update(self, gradient: Gradient, layers: Iterable[str]) -> None:
+    def update(self, gradient: GradientBlock, layers: Iterable[str]) -> None:
         """Accumulate the named layers of a block (types as in ``LayerKroneckerAccumulator``).
 
         Raises:

@@ -10,7 +10,7 @@ The coordinate order is the normative layout of ``gradient-model.md``:
 * norms: ``[dγ, dβ]`` with positions summed, or ``(B, S·d)`` per token;
 * embeddings: row-major ``(num_embeddings, E)`` (scatter-add by token id).
 
-`_materialized_width_estimate` gives a layer's width ``d`` from its factors' shapes
+`materialized_width_estimate` gives a layer's width ``d`` from its factors' shapes
 without materializing (``Gradient.materialized_nbytes``, the Fisher accumulator).
 """
 
@@ -134,7 +134,7 @@ def _norm_features(f: Factorized, layer_type: str) -> int:
     return kwargs.get("num_features", f.activation.shape[1])
 
 
-def _materialized_width_estimate(f: Factorized, layer_type: str) -> int:
+def materialized_width_estimate(f: Factorized, layer_type: str) -> int:
     """Materialized width ``d`` per the estimate rule (bias ignored).
 
     Norms ``d_in``; embeddings ``vocab·E``; conv ``C_out·C_in/groups·Πkernel``;

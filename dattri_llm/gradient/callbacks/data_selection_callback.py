@@ -19,10 +19,9 @@ from torch import nn
 from dattri_llm.gradient.callbacks import _selection as sel
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
-from dattri_llm.gradient.hooks.layers import unwrap_model
-from dattri_llm.gradient.stream.wrapping import is_fsdp
 from dattri_llm.utils.autograd import queue_after_backward_finalization
 from dattri_llm.utils.distributed import all_reduce_sum, dist_world_size
+from dattri_llm.utils.wrappers import is_fsdp, unwrap_model
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.hooks.manager import HookManager

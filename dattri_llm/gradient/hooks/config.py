@@ -21,12 +21,12 @@ from dattri_llm.gradient.hooks.layers import (
     is_invasive_capable,
     is_linear_io_capable,
     owns_trainable_params,
-    unwrap_model,
 )
 from dattri_llm.gradient.hooks.linear_io import check_capture_style
 from dattri_llm.gradient.ops.projection import MASK_KEYS, PROJECTION_STYLES
 from dattri_llm.gradient.ops.types import ALL_LAYER_TYPES
 from dattri_llm.options import CaptureStyle
+from dattri_llm.utils.wrappers import unwrap_model
 
 __all__ = [
     "INVASIVE_LINEAR_IO",

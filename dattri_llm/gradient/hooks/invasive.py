@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dattri_llm.gradient.hooks.layers import is_invasive_capable, unwrap_model
+from dattri_llm.gradient.hooks.layers import is_invasive_capable
+from dattri_llm.utils.wrappers import unwrap_model
 
 __all__ = ["InputGradOnlyLinear", "install_invasive_forward", "remove_hooks"]
 

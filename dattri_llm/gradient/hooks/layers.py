@@ -1,4 +1,4 @@
-"""Which modules the hook families act on: capability, canonical type and the unwrapped root.
+"""Which modules the hook families act on: their capability and the HF ``Conv1D`` lookup.
 
 Hugging Face ``Conv1D`` is recognised lazily from ``sys.modules`` (a model
 that contains one has already imported it), so importing this module never
@@ -12,16 +12,12 @@ import sys
 
 from torch import nn
 
-from dattri_llm.gradient.ops.types import ALL_LAYER_TYPES, canonical_class_name
-
 __all__ = [
     "always",
-    "detect_layer_type",
     "hf_conv1d",
     "is_invasive_capable",
     "is_linear_io_capable",
     "owns_trainable_params",
-    "unwrap_model",
 ]
 
 _HF_CONV1D_MODULE = "transformers.pytorch_utils"
@@ -87,28 +83,6 @@ def is_invasive_capable(module: nn.Module) -> bool:
 def owns_trainable_params(module: nn.Module) -> bool:
     """Whether ``module`` directly (``recurse=False``) owns a parameter with ``requires_grad``."""
     return any(p.requires_grad for p in module.parameters(recurse=False))
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """``model.module`` for DataParallel / DDP / FSDP wrappers, else ``model``."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) else model
-
-
-def detect_layer_type(module: nn.Module) -> str:
-    """Canonical type of ``module``: its own class name, or the nearest supported base class."""
-    own = canonical_class_name(module)
-    if own in ALL_LAYER_TYPES:
-        return own
-    for cls in type(module).__mro__[1:]:
-        name = (
-            f"nn.{cls.__name__}"
-            if cls.__module__.startswith("torch.nn")
-            else (f"{cls.__module__}.{cls.__name__}")
-        )
-        if name in ALL_LAYER_TYPES:
-            return name
-    return own
 
 
 def always() -> bool:

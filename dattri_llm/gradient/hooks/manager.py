@@ -46,11 +46,11 @@ from dattri_llm.gradient.hooks.installation import (
     InstalledHooks,
     split_families,
 )
-from dattri_llm.gradient.hooks.layers import unwrap_model
 from dattri_llm.gradient.hooks.preconditioning import Preconditioning
 from dattri_llm.gradient.ops.projection import DattriProjector
 from dattri_llm.gradient.optimizer_state import OptimizerLike
 from dattri_llm.utils.autograd import queue_backward_end_callback
+from dattri_llm.utils.wrappers import unwrap_model
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.callbacks.base import HookManagerCallback

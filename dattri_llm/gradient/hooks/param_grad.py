@@ -17,8 +17,8 @@ from dattri_llm.gradient.hooks.layers import (
     always,
     is_linear_io_capable,
     owns_trainable_params,
-    unwrap_model,
 )
+from dattri_llm.utils.wrappers import unwrap_model
 
 __all__ = [
     "ParamGradBuffer",

@@ -111,3 +111,19 @@ def canonical_class_name(module: nn.Module) -> str:
     if cls.__module__.startswith("torch.nn"):
         return f"nn.{cls.__name__}"
     return f"{cls.__module__}.{cls.__name__}"
+
+
+def detect_layer_type(module: nn.Module) -> str:
+    """Canonical type of ``module``: its own class name, or the nearest supported base class."""
+    own = canonical_class_name(module)
+    if own in ALL_LAYER_TYPES:
+        return own
+    for cls in type(module).__mro__[1:]:
+        name = (
+            f"nn.{cls.__name__}"
+            if cls.__module__.startswith("torch.nn")
+            else (f"{cls.__module__}.{cls.__name__}")
+        )
+        if name in ALL_LAYER_TYPES:
+            return name
+    return own

@@ -26,9 +26,8 @@ import torch
 from torch import nn
 
 from dattri_llm.gradient.gradient import base_layer_name
-from dattri_llm.gradient.hooks.layers import detect_layer_type, unwrap_model
 from dattri_llm.gradient.ops.optimizer import OPTIMIZER_STATE_KEYS, precondition
-from dattri_llm.gradient.ops.types import NORM_TYPES
+from dattri_llm.gradient.ops.types import NORM_TYPES, detect_layer_type
 from dattri_llm.gradient.state.layout import _SUPPORTED_TYPES, _lay_out
 from dattri_llm.gradient.state.names import optimizer_type
 from dattri_llm.gradient.state.sharding import (
@@ -39,6 +38,7 @@ from dattri_llm.gradient.state.sharding import (
     _param_ref,
     _ParamRef,
 )
+from dattri_llm.utils.wrappers import unwrap_model
 
 __all__ = ["LayerOptimizerState", "OptimizerSnapshot"]
 

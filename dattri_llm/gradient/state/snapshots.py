@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dattri_llm.gradient.hooks.layers import unwrap_model
 from dattri_llm.gradient.state.dynamics import assemble_dynamics
 from dattri_llm.utils.atomic import atomic_torch_save, atomic_write
+from dattri_llm.utils.wrappers import unwrap_model
 
 __all__ = ["MANIFEST_FILE", "LazyDynamics", "TrajectorySnapshots"]
 

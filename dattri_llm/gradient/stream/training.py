@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dattri_llm.gradient.stream.settings import TrainingSettings
-from dattri_llm.gradient.stream.wrapping import is_fsdp
+from dattri_llm.utils.wrappers import is_fsdp
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback

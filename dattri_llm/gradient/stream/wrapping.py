@@ -11,7 +11,6 @@ absent from builds without distributed support).
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -23,6 +22,7 @@ from torch import nn
 from dattri_llm.gradient.gradient import Factorized, Gradient
 from dattri_llm.gradient.stream.settings import TrainingSettings
 from dattri_llm.utils.distributed import is_dist_initialized
+from dattri_llm.utils.wrappers import is_fsdp
 
 __all__ = [
     "FSDP_CONFIG_KEYS",
@@ -292,12 +292,6 @@ def place_model(model: nn.Module, args: TrainingSettings) -> nn.Module:
     if args.world_size <= 1:
         return model
     return wrap_ddp(model, args)
-
-
-def is_fsdp(module: nn.Module) -> bool:
-    """Whether ``module`` is a ``FullyShardedDataParallel`` wrapper (never imports FSDP)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel)
 
 
 # --------------------------------------------------------------------------- loss scaling

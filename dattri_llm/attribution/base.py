@@ -30,7 +30,8 @@ import dattri_llm.attribution.runs as runs
 import dattri_llm.attribution.scoring as scoring
 import dattri_llm.attribution.sources as sources
 from dattri_llm.attribution.score import AttributionScore
-from dattri_llm.attribution.scoring import ATTRIBUTION_GRANULARITIES, ScoreResult, check_granularity
+from dattri_llm.attribution.scoring import ATTRIBUTION_GRANULARITIES as ATTRIBUTION_GRANULARITIES
+from dattri_llm.attribution.scoring import ScoreResult, check_granularity
 from dattri_llm.attribution.sources import _check_dataset
 from dattri_llm.attribution.sources import fresh_store as fresh_store  # dvemb imports it here
 from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDynamicsCallback
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.storage_manager import GradientStorageManager
     from dattri_llm.gradient.streaming import DiskGradientSource, GradientSource, GradientStreamer
     from dattri_llm.utils.cache import TensorCache
-
-__all__ = ["ATTRIBUTION_GRANULARITIES", "BaseAttributor", "BaseInnerProductAttributor"]
 
 
 class BaseAttributor(ABC):

@@ -22,6 +22,7 @@ import torch
 
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.gradient.ops.dot import grad_norm_sq
 from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
@@ -114,8 +115,6 @@ class TracInAttributor(BaseInnerProductAttributor):
     # ------------------------------------------------------------------ Grad-Cos
     def _sample_norms(self, rep: Gradient, layers: tuple[str, ...]) -> torch.Tensor:
         """Whole-model per-sample norms ``(B,)`` of ``rep`` over ``layers`` (cached per rep)."""
-        from dattri_llm.gradient.ops.dot import grad_norm_sq
-
         cached = self._norm_cache.get(rep)
         if cached is not None and cached[0] == layers:
             return cached[1]

@@ -10,19 +10,31 @@ coefficients, loss scales, every parameter group's hyperparameters) and its
 learning-rate schedule (``lr_schedule.json``), and runs the one backward
 sweep the methods share (:meth:`score_run`, :mod:`.sweep`): a method supplies
 only its :class:`~.sweep.Fold`. Rows are emitted latest step first.
+
+The class holds the public flow and the subclass hooks; recording a run lives
+in :mod:`.recording`, what a scoring call sweeps (:class:`RunScope`,
+``resolve_steps``) in :mod:`.scope`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from dattri_llm.attribution import utils as attribution_utils
-from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
+from dattri_llm.attribution.algorithm.trajectory.recording import (
+    TEST_GRADS_DIR,
+    TRAIN_GRADS_DIR,
+    TRAIN_SNAPSHOTS_DIR,
+    fresh_targets,
+    record_run,
+)
+from dattri_llm.attribution.algorithm.trajectory.run import Window
+from dattri_llm.attribution.algorithm.trajectory.scope import RunScope
+from dattri_llm.attribution.algorithm.trajectory.scope import resolve_steps as _resolve_steps
+from dattri_llm.attribution.algorithm.trajectory.scope import run_scope as _run_scope
 from dattri_llm.attribution.algorithm.trajectory.sweep import (
     LOSS_REDUCTIONS,
     PROPAGATIONS,
@@ -30,18 +42,20 @@ from dattri_llm.attribution.algorithm.trajectory.sweep import (
     Fold,
     SweepResult,
     TrajectorySweep,
-    swept_windows,
 )
-from dattri_llm.attribution.base import (
-    BaseInnerProductAttributor,
+from dattri_llm.attribution.base import BaseInnerProductAttributor
+from dattri_llm.attribution.blocks import per_sample_layers
+from dattri_llm.attribution.schedule import read_lr_schedule, write_lr_schedule
+from dattri_llm.attribution.sources import (
     _check_dataset,
     _require_records,
-    fresh_store,
+    normalize_layer_names,
+    resolve_store,
 )
-from dattri_llm.gradient.callbacks.training_dynamics_callback import load_training_dynamics
 from dattri_llm.gradient.datasets import DiskGradientSource
 from dattri_llm.gradient.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
+from dattri_llm.gradient.streaming import ReplayGradientSource
 from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
@@ -62,43 +76,6 @@ __all__ = [
     "RunScope",
     "TrajectoryAttributor",
 ]
-
-TRAIN_GRADS_DIR = "train_grads"
-TRAIN_SNAPSHOTS_DIR = "train_snapshots"
-TEST_GRADS_DIR = "test_grads"
-
-
-@dataclass
-class RunScope:
-    """What one scoring call sweeps.
-
-    Attributes:
-        run: the recorded dynamics.
-        windows: the propagated updates (store steps before ``final_step``), ascending.
-        swept: those the sweep reads: from the earliest holding an output step
-            to the last (earlier ones change no score), ascending.
-        output_steps: the store steps whose rows are emitted, latest first.
-        final_step: the step the queries were taken at.
-    """
-
-    run: RunDynamics
-    windows: list[Window]
-    swept: list[Window]
-    output_steps: list[int]
-    final_step: int
-
-    def recorded_rates(self) -> dict[int, float | str]:
-        """``{update key: recorded lr}`` of the swept updates (``"per_group"`` if groups differ)."""
-        rates = {}
-        for window in self.swept:
-            value = self.run.uniform(window, "lr")
-            rates[window.key] = "per_group" if value is None else value
-        return rates
-
-    @property
-    def swept_steps(self) -> list[int]:
-        """Store steps of the swept updates, latest first."""
-        return sorted((s for window in self.swept for s in window.steps), reverse=True)
 
 
 class TrajectoryAttributor(BaseInnerProductAttributor):
@@ -147,14 +124,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         _check_dataset(train_dataset, "training")
         _check_dataset(test_dataset, "test")
         root = Path(cache_dir if cache_dir is not None else self.args.output_dir).expanduser()
-        test_dir = root / TEST_GRADS_DIR
-        if self.recompute:
-            train_dir = root / TRAIN_SNAPSHOTS_DIR
-            train_target: TrajectorySnapshots | GradientStorageManager = _fresh_snapshots(train_dir)
-        else:
-            train_dir = root / TRAIN_GRADS_DIR
-            train_target = fresh_store(train_dir)
-        test_store = fresh_store(test_dir)
+        train_dir, train_target, test_dir, test_store = fresh_targets(root, self.recompute)
         self.load_checkpoint(self.checkpoints()[0])
         lrs = self.collect_trajectory(
             train_target,
@@ -165,7 +135,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
             offload_interval=offload_interval,
         )
         if self.args.should_log:
-            attribution_utils.write_lr_schedule(train_dir, lrs)
+            write_lr_schedule(train_dir, lrs)
         return [(str(train_dir), str(test_dir))]
 
     def collect_trajectory(
@@ -186,37 +156,15 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         final step ``T`` (last step + 1). Returns ``{step: lr}``, the learning
         rate applied at each step.
         """
-        snapshots = train_target if isinstance(train_target, TrajectorySnapshots) else None
-        streamer = self.generate_train_rep(
-            train_dataset, enable_update=True, hook_config=hook_config, snapshots=snapshots
+        return record_run(
+            self,
+            train_target,
+            test_store,
+            train_dataset,
+            test_dataset,
+            hook_config=hook_config,
+            offload_interval=offload_interval,
         )
-        recorder = self.attach_dynamics_recorder(streamer, snapshots)
-        for callback in self.trajectory_callbacks(streamer.model, streamer, snapshots):
-            streamer.hook_manager.add_callback(callback)
-        self._hooked_layers = list(streamer.hook_manager.layer_names)
-        try:
-            if snapshots is None:
-                self.collect_gradients(
-                    streamer,
-                    train_target,
-                    offload_interval=offload_interval,
-                    on_block=lambda step, block, ids: self.on_trajectory_block(),
-                )
-            else:
-                _run_without_storing(streamer, self.on_trajectory_block)
-            directory = self.train_dir_of(train_target)
-            if directory is not None and self.args.should_log:
-                recorder.save(directory)
-            self.finish_trajectory(train_target)
-        finally:
-            self._forget_loaded_checkpoint(True)
-        lrs = streamer.learning_rates
-        final_step = max(lrs, default=-1) + 1
-        test = self.generate_test_rep(
-            test_dataset, checkpoint_step=final_step, hook_config=hook_config, shard=False
-        )
-        self.collect_gradients(test, test_store)
-        return lrs
 
     # ------------------------------------------------------------------ subclass hooks
     def trajectory_callbacks(
@@ -255,8 +203,6 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         Raises:
             ValueError: snapshots without a task.
         """
-        from dattri_llm.gradient.streaming import ReplayGradientSource
-
         desc = f"{self.algorithm} train" if verbose else None
         if isinstance(train_source, ReplayGradientSource):
             return train_source if steps is None else train_source.for_steps(steps)
@@ -303,13 +249,13 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         steps = getattr(train_source, "steps", None)
         if isinstance(steps, list):
             return sorted(steps)
-        return BaseInnerProductAttributor.resolve_store(train_source).available_steps()
+        return resolve_store(train_source).available_steps()
 
     @classmethod
     def recorded_lr_of(cls, train_source: object) -> dict[int, float] | None:
         """The ``lr_schedule.json`` recorded beside a run (``None`` if there is none)."""
         directory = cls.train_dir_of(train_source)
-        return None if directory is None else attribution_utils.read_lr_schedule(directory)
+        return None if directory is None else read_lr_schedule(directory)
 
     @staticmethod
     def close_source(source: object) -> None:
@@ -333,11 +279,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
 
     def steps_bar(self, steps: Iterable[int], desc: str | None = None) -> Iterable[int]:
         """``steps`` in a tqdm bar when the current call is verbose on rank 0."""
-        if not (self._verbose and self.args.should_log):
-            return steps
-        from tqdm.auto import tqdm
-
-        return tqdm(steps, desc=desc or f"{self.algorithm} steps", unit="step")
+        return self._bar(steps, desc=desc or f"{self.algorithm} steps", unit="step")
 
     # ------------------------------------------------------------------ the shared sweep
     def run_scope(
@@ -357,22 +299,13 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         Raises:
             ValueError: see :meth:`resolve_steps`; no update holds an output step.
         """
-        prop_steps, output_steps, final_step = self.resolve_steps(
-            self.available_steps(train_source), selected_training_steps, final_step
+        return _run_scope(
+            self,
+            train_source,
+            selected_training_steps=selected_training_steps,
+            final_step=final_step,
+            entries=entries,
         )
-        directory = self.train_dir_of(train_source)
-        recorded = None if directory is None else load_training_dynamics(directory)
-        run = RunDynamics.from_records(
-            recorded, entries=entries, merged=self._merged_windows(train_source)
-        )
-        windows = run.windows(prop_steps)
-        swept = swept_windows(windows, set(output_steps))
-        if not swept:
-            raise ValueError(
-                f"none of the output steps {sorted(output_steps)} belongs to a recorded "
-                "optimizer update; nothing to score"
-            )
-        return RunScope(run, windows, swept, output_steps, final_step)
 
     @staticmethod
     def snapshots_of(train_source: object) -> TrajectorySnapshots | None:
@@ -421,7 +354,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
             ValueError: an empty test source; see :class:`TrajectorySweep`.
         """
         self.validate_propagation(propagation, loop_over_test)
-        layers = attribution_utils.normalize_layer_names(layer_name)
+        layers = normalize_layer_names(layer_name)
         sweep = TrajectorySweep(
             fold,
             scope.run,
@@ -519,7 +452,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
     @staticmethod
     def require_test_records(test_source: object) -> GradientStorageManager:
         """The test store; ``ValueError`` when it holds no records."""
-        store = BaseInnerProductAttributor.resolve_store(test_source)
+        store = resolve_store(test_source)
         _require_records(store, "test")
         return store
 
@@ -548,7 +481,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         rows: dict[str, list[torch.Tensor]] = {}
         ids: list[str] = []
         for _step, block, block_ids in test_source:
-            layers = attribution_utils.per_sample_layers(block)
+            layers = per_sample_layers(block)
             dense = block.select_layers(layers).aggregate().materialize()  # tokens summed
             if rows and set(layers) != set(rows):
                 raise ValueError(
@@ -581,40 +514,8 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
                 "use propagation='test' or loop_over_test=False"
             )
 
-    @staticmethod
-    def resolve_steps(
-        available: Iterable[int],
-        selected: Iterable[int] | None,
-        final_step: int | None,
-    ) -> tuple[list[int], list[int], int]:
-        """``(prop_steps, output_steps, final_step)``, step lists latest first.
-
-        ``final_step`` defaults to the last available step + 1; the propagated
-        steps are the available ones before it; the output steps are those
-        among them in ``selected`` (all when ``None``).
-
-        Raises:
-            ValueError: no available step before ``final_step``; a selection
-                matching none of the propagated steps.
-        """
-        steps = sorted({int(s) for s in available})
-        if final_step is None:
-            final_step = steps[-1] + 1 if steps else 0
-        propagated = [s for s in reversed(steps) if s < final_step]
-        if not propagated:
-            raise ValueError(
-                f"no recorded step before final_step={final_step}; recorded steps: {steps}"
-            )
-        if selected is None:
-            return propagated, list(propagated), final_step
-        chosen = {int(s) for s in selected}
-        output = [s for s in propagated if s in chosen]
-        if not output:
-            raise ValueError(
-                f"selected_training_steps {sorted(chosen)} match none of the propagated steps "
-                f"{sorted(propagated)}"
-            )
-        return propagated, output, final_step
+    # static: the steps a call propagates and emits (scope.resolve_steps)
+    resolve_steps = staticmethod(_resolve_steps)
 
 
 def _as_snapshots(train_source: object) -> TrajectorySnapshots | None:
@@ -626,22 +527,3 @@ def _as_snapshots(train_source: object) -> TrajectorySnapshots | None:
     ):
         return TrajectorySnapshots(Path(train_source).expanduser())
     return None
-
-
-def _fresh_snapshots(path: Path) -> TrajectorySnapshots:
-    """A snapshot store on ``path`` for a new run; ``ValueError`` if it already holds steps."""
-    snapshots = TrajectorySnapshots(path)
-    if snapshots.steps():
-        raise ValueError(
-            f"snapshot directory {path} already holds steps {snapshots.steps()}; remove it or "
-            "choose another cache_dir"
-        )
-    return snapshots
-
-
-def _run_without_storing(streamer: GradientStreamer, after_block: Callable[[], None]) -> None:
-    """Iterate a snapshotting trajectory, discarding the blocks, calling ``after_block()``."""
-    with streamer:
-        for _step, block, _ids in streamer:
-            del block
-            after_block()

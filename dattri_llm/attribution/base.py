@@ -33,7 +33,6 @@ from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.scoring import ATTRIBUTION_GRANULARITIES as ATTRIBUTION_GRANULARITIES
 from dattri_llm.attribution.scoring import ScoreResult, check_granularity
 from dattri_llm.attribution.sources import _check_dataset
-from dattri_llm.attribution.sources import fresh_store as fresh_store  # dvemb imports it here
 from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDynamicsCallback
 from dattri_llm.gradient.ops.dot import layerwise_cross_dot, layerwise_cross_dot_per_token
 from dattri_llm.task import AttributionTask, as_task
@@ -42,11 +41,13 @@ if TYPE_CHECKING:
     from torch import nn
 
     from dattri_llm.attribution.arguments import AttributionArguments
-    from dattri_llm.gradient.gradient import Gradient
     from dattri_llm.gradient.hooks.config import HookManagerConfig
     from dattri_llm.gradient.hooks.manager import HookManager
+    from dattri_llm.gradient.model.container import Gradient
     from dattri_llm.gradient.storage_manager import GradientStorageManager
-    from dattri_llm.gradient.streaming import DiskGradientSource, GradientSource, GradientStreamer
+    from dattri_llm.gradient.stream.readers import DiskGradientSource
+    from dattri_llm.gradient.stream.source import GradientSource
+    from dattri_llm.gradient.stream.streamer import GradientStreamer
     from dattri_llm.utils.cache import TensorCache
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from dattri_llm.gradient.gradient import Factorized, Gradient
+from dattri_llm.gradient.model.container import Gradient
+from dattri_llm.gradient.model.records import Factorized
 from dattri_llm.gradient.ops.dot import effective_dims, maybe_use_materialized_gram
 from dattri_llm.gradient.ops.materialize import materialize
 from dattri_llm.gradient.ops.preprocess import preprocess_factorized

@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from dattri_llm.attribution.blocks import _drop_param_grad, _preprocess_layers, finalize_factors
-from dattri_llm.gradient.gradient import Gradient, base_layer_name
+from dattri_llm.gradient.model.container import Gradient
+from dattri_llm.gradient.model.records import base_layer_name
 from dattri_llm.gradient.ops.dot import effective_dims
 from dattri_llm.gradient.ops.types import is_embedding
-from dattri_llm.gradient.storage_manager import projection_record
+from dattri_llm.gradient.store.sidecars import projection_record
 from dattri_llm.utils.cache import CacheBudget
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.streaming import GradientSource
+    from dattri_llm.gradient.stream.source import GradientSource
 
 _COMPARED_PROJECTION_KEYS = (
     "style",

@@ -21,12 +21,13 @@ from dattri_llm.attribution.schedule import write_lr_schedule
 from dattri_llm.attribution.sources import fresh_store
 from dattri_llm.gradient.async_writer import AsyncGradientWriter
 from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDynamicsCallback
-from dattri_llm.gradient.gradient import Gradient, GradientRecord
+from dattri_llm.gradient.model.container import Gradient, GradientRecord
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.hooks.config import HookManagerConfig
     from dattri_llm.gradient.storage_manager import GradientStorageManager
-    from dattri_llm.gradient.streaming import GradientSource, GradientStreamer
+    from dattri_llm.gradient.stream.source import GradientSource
+    from dattri_llm.gradient.stream.streamer import GradientStreamer
 
 
 def collect_gradients(

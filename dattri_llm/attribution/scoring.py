@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from dattri_llm.attribution.checks import _ScoringChecks
-from dattri_llm.gradient.gradient import Gradient
+from dattri_llm.gradient.model.container import Gradient
 from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
-from dattri_llm.gradient.streaming import rebatch_blocks
+from dattri_llm.gradient.stream.rebatch import rebatch_blocks
 from dattri_llm.utils.cache import CacheBudget, TensorCache
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.streaming import GradientSource
+    from dattri_llm.gradient.stream.source import GradientSource
 
 ATTRIBUTION_GRANULARITIES = ("instance", "token")
 

@@ -16,9 +16,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dattri_llm.gradient.datasets import check_dataset
 from dattri_llm.gradient.storage_manager import GradientStorageManager
-from dattri_llm.gradient.streaming import DiskGradientSource, GradientStreamer
+from dattri_llm.gradient.stream.inputs import check_dataset
+from dattri_llm.gradient.stream.readers import DiskGradientSource
+from dattri_llm.gradient.stream.streamer import GradientStreamer
 
 if TYPE_CHECKING:
     from torch import nn

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dattri_llm.gradient.gradient import Factorized, GradientRecord
+from dattri_llm.gradient.model.container import GradientRecord
+from dattri_llm.gradient.model.records import Factorized
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 
 __all__ = ["AsyncGradientWriter"]

@@ -633,7 +633,7 @@ def test_projected_against_unprojected_is_refused(mlp_setup, tmp_path):
 
 
 def test_virtual_and_per_layer_projection_entries(tmp_path):
-    from dattri_llm.attribution.utils import check_layer_compatibility
+    from dattri_llm.attribution.checks import check_layer_compatibility
     from dattri_llm.gradient.storage_manager import projection_record
 
     x = torch.randn(2, 4)

@@ -45,8 +45,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from dattri_llm.attribution.algorithm.trajectory import RunDynamics, TrajectoryAttributor
+from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory.folds import ADAMW_OPTIMIZERS, AdamWFold
+from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics
 from dattri_llm.attribution.algorithm.trajectory.sweep import (
     LOSS_REDUCTIONS,
     TrajectorySweep,
@@ -55,8 +56,8 @@ from dattri_llm.attribution.algorithm.trajectory.sweep import (
 )
 from dattri_llm.gradient.callbacks.optimizer_state_callback import OptimizerStateCallback
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
-from dattri_llm.gradient.snapshots import LazyDynamics, TrajectorySnapshots
 from dattri_llm.gradient.state.dynamics import load_training_dynamics
+from dattri_llm.gradient.state.snapshots import LazyDynamics, TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.atomic import atomic_torch_save
 from dattri_llm.utils.keywords import keywords
@@ -67,7 +68,8 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.callbacks.training_dynamics_callback import (
         TrainingDynamicsCallback,
     )
-    from dattri_llm.gradient.streaming import GradientSource, GradientStreamer
+    from dattri_llm.gradient.stream.source import GradientSource
+    from dattri_llm.gradient.stream.streamer import GradientStreamer
 
 ADAMW_DYNAMICS_FILE = "adamw_dynamics.pt"
 # Seed of the disjoint coordinate groups of ``num_masks > 1``.

@@ -38,25 +38,27 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from dattri_llm.attribution import utils as attribution_utils
-from dattri_llm.attribution.algorithm.trajectory import LOSS_REDUCTIONS, TrajectoryAttributor
+from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory.folds import DVEmbFold
 from dattri_llm.attribution.algorithm.trajectory.sweep import (
+    LOSS_REDUCTIONS,
     Emission,
     TrajectorySweep,
     check_choice,
 )
-from dattri_llm.attribution.base import _check_dataset, fresh_store
-from dattri_llm.gradient.gradient import Gradient, GradientRecord
-from dattri_llm.gradient.snapshots import TrajectorySnapshots
+from dattri_llm.attribution.sources import _check_dataset, fresh_store
+from dattri_llm.gradient.model.container import Gradient, GradientRecord
+from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
+from dattri_llm.utils.cache import CACHE_RESIDENCIES
 from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
-    from dattri_llm.attribution.algorithm.trajectory import RunScope
+    from dattri_llm.attribution.algorithm.trajectory.scope import RunScope
     from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.attribution.score import AttributionScore
     from dattri_llm.gradient.hooks.config import HookManagerConfig
-    from dattri_llm.gradient.streaming import StreamBatch
+    from dattri_llm.gradient.stream.source import StreamBatch
 
 HESSIAN_MODES = ("full", "diagonal")
 DVEMB_DIR = "dvemb_grads"
@@ -118,8 +120,6 @@ class DVEmbAttributor(TrajectoryAttributor):
             ValueError: a residency not in ``CACHE_RESIDENCIES``; any option
                 :meth:`attribute_from_cache` refuses (checked before training).
         """
-        from dattri_llm.utils.cache import CACHE_RESIDENCIES
-
         if gradient_cache_residency not in CACHE_RESIDENCIES:
             raise ValueError(
                 f"gradient_cache_residency must be one of {list(CACHE_RESIDENCIES)}, got "

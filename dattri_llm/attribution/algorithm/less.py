@@ -39,10 +39,11 @@ from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
 from dattri_llm.attribution.algorithm.trajectory.sweep import LOSS_REDUCTIONS, check_choice
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDynamicsCallback
-from dattri_llm.gradient.gradient import Factorized, Gradient
+from dattri_llm.gradient.model.container import Gradient
+from dattri_llm.gradient.model.records import Factorized
 from dattri_llm.gradient.ops.dot import grad_norm_sq
 from dattri_llm.gradient.state.dynamics import load_training_dynamics
-from dattri_llm.gradient.streaming import GradientStreamer
+from dattri_llm.gradient.stream.streamer import GradientStreamer
 from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:

@@ -36,17 +36,18 @@ from dattri_llm.attribution.algorithm.kronecker.persistence import (
     write_fit,
 )
 from dattri_llm.attribution.base import BaseInnerProductAttributor
-from dattri_llm.attribution.utils import per_sample_layers
-from dattri_llm.gradient.lowrank import check_low_rank, is_low_rank, low_rank_gradient
+from dattri_llm.attribution.blocks import per_sample_layers
+from dattri_llm.gradient.model.lowrank import check_low_rank, is_low_rank, low_rank_gradient
 from dattri_llm.gradient.ops.materialize import materialize
 from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.attribution.score import AttributionScore
-    from dattri_llm.gradient.gradient import Gradient
+    from dattri_llm.gradient.model.container import Gradient
     from dattri_llm.gradient.storage_manager import GradientStorageManager
-    from dattri_llm.gradient.streaming import GradientSource, GradientStreamer
+    from dattri_llm.gradient.stream.source import GradientSource
+    from dattri_llm.gradient.stream.streamer import GradientStreamer
 
 __all__ = ["FIT_FILE", "LoRIFAttributor", "LoRIFLayerFit"]
 

@@ -27,8 +27,8 @@ from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.arguments import AttributionArguments
-    from dattri_llm.gradient.gradient import Gradient
     from dattri_llm.gradient.hooks.config import HookManagerConfig
+    from dattri_llm.gradient.model.container import Gradient
     from dattri_llm.utils.cache import TensorCache
 
 COSINE_EPS = 1e-8

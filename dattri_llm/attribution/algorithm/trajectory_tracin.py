@@ -24,17 +24,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from dattri_llm.attribution import utils as attribution_utils
-from dattri_llm.attribution.algorithm.trajectory import TrajectoryAttributor
+from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory.folds import TracInFold
 from dattri_llm.attribution.algorithm.trajectory.sweep import SweepResult
 from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
-    from dattri_llm.attribution.algorithm.trajectory import RunScope
+    from dattri_llm.attribution.algorithm.trajectory.scope import RunScope
     from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.attribution.score import AttributionScore
-    from dattri_llm.gradient.gradient import Gradient
     from dattri_llm.gradient.hooks.config import HookManagerConfig
+    from dattri_llm.gradient.model.container import Gradient
 
 LearningRate = float | Mapping[int, float] | None
 # Keywords of ``attribute_from_cache`` that ``attribute`` passes on.

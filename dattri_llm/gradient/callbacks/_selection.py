@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord, base_layer_name
+from dattri_llm.gradient.model.container import Gradient, GradientRecord
+from dattri_llm.gradient.model.records import Factorized, base_layer_name
 from dattri_llm.gradient.ops.materialize import materialize_factors
 from dattri_llm.gradient.ops.types import (
     PARAM_GRAD_TYPES,
@@ -370,6 +371,7 @@ def fsdp_shard_slices(model: nn.Module) -> dict[int, ShardSlice]:
     Raises:
         NotImplementedError: a unit built without ``use_orig_params=True``.
     """
+    # optional dependency: torch.distributed.fsdp (absent from non-distributed builds)
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     out: dict[int, ShardSlice] = {}

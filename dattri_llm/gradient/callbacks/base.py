@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from dattri_llm.gradient.gradient import GradientRecord
+    from dattri_llm.gradient.model.container import GradientRecord
 
 
 class HookManagerCallback:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.gradient import GradientRecord
+    from dattri_llm.gradient.model.container import GradientRecord
 
 
 class CaptureCallback(HookManagerCallback):

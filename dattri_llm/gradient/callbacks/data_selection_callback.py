@@ -18,7 +18,7 @@ from torch import nn
 
 from dattri_llm.gradient.callbacks import _selection as sel
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
-from dattri_llm.gradient.gradient import Gradient, GradientRecord
+from dattri_llm.gradient.model.container import Gradient, GradientRecord
 from dattri_llm.utils.autograd import queue_after_backward_finalization
 from dattri_llm.utils.distributed import all_reduce_sum, dist_world_size
 from dattri_llm.utils.wrappers import is_fsdp, unwrap_model

@@ -6,17 +6,15 @@ import weakref
 from typing import TYPE_CHECKING
 
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
-from dattri_llm.gradient.hooks.hooks import current_forward_token
-from dattri_llm.gradient.ops.kronecker import (
-    LayerKroneckerAccumulator,
-    all_reduce_layer_accumulators,
-)
+from dattri_llm.gradient.hooks.layer_capture import current_forward_token
+from dattri_llm.gradient.ops.kronecker_accumulators import LayerKroneckerAccumulator
+from dattri_llm.gradient.ops.layer_sums import all_reduce_layer_accumulators
 from dattri_llm.gradient.ops.types import is_kfac_eligible
 
 if TYPE_CHECKING:
     import torch
 
-    from dattri_llm.gradient.gradient import GradientRecord
+    from dattri_llm.gradient.model.container import GradientRecord
 
 
 class KroneckerCovarianceCallback(HookManagerCallback):

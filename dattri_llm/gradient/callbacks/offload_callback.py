@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from dattri_llm.gradient.async_writer import AsyncGradientWriter
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
-from dattri_llm.gradient.gradient import GradientRecord
+from dattri_llm.gradient.model.container import GradientRecord
 from dattri_llm.utils.hashing import occurrence_ids
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from dattri_llm.gradient.callbacks.base import HookManagerCallback
 if TYPE_CHECKING:
     from torch import nn
 
-    from dattri_llm.gradient.gradient import GradientRecord
+    from dattri_llm.gradient.model.container import GradientRecord
     from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 
 

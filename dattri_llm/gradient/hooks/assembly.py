@@ -18,14 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dattri_llm.gradient.gradient import (
-    Factorized,
-    Gradient,
-    GradientRecord,
-    base_layer_name,
-)
 from dattri_llm.gradient.hooks.identity import MISSING, SampleIdentity
 from dattri_llm.gradient.hooks.layer_capture import Capture, LayerCapture
+from dattri_llm.gradient.model.container import Gradient, GradientRecord
+from dattri_llm.gradient.model.records import Factorized, base_layer_name
 from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
 from dattri_llm.utils.distributed import all_reduce_sum, dist_world_size
 

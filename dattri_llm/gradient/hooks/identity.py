@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dattri_llm.gradient.gradient import Gradient
+from dattri_llm.gradient.model.container import Gradient
 from dattri_llm.utils.hashing import hash_batch, occurrence_ids
 
 __all__ = ["MISSING", "SampleIdentity"]

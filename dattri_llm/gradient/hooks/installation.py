@@ -30,7 +30,7 @@ from dattri_llm.gradient.hooks.layer_capture import LayerCapture
 from dattri_llm.gradient.hooks.layers import owns_trainable_params
 from dattri_llm.gradient.hooks.linear_io import attach_linear_io
 from dattri_llm.gradient.hooks.param_grad import ParamGradCapture
-from dattri_llm.gradient.ops.projection import DattriProjector
+from dattri_llm.gradient.ops.projector import DattriProjector
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.callbacks.base import HookManagerCallback

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dattri_llm.gradient.gradient import Factorized
 from dattri_llm.gradient.hooks.invasive import InputGradOnlyLinear
 from dattri_llm.gradient.hooks.layers import always
+from dattri_llm.gradient.model.records import Factorized
 from dattri_llm.gradient.ops.dot import effective_dims
 from dattri_llm.gradient.ops.materialize import materialize
 from dattri_llm.gradient.ops.projection import (

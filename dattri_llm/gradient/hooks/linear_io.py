@@ -16,7 +16,8 @@ from torch import nn
 from dattri_llm.gradient.hooks.layer_capture import LayerBuffer, LayerCapture
 from dattri_llm.gradient.hooks.layers import is_linear_io_capable, owns_trainable_params
 from dattri_llm.gradient.ops.preprocess import extract_module_kwargs
-from dattri_llm.gradient.ops.projection import CAPTURE_STYLES, DattriProjector
+from dattri_llm.gradient.ops.projection import CAPTURE_STYLES
+from dattri_llm.gradient.ops.projector import DattriProjector
 from dattri_llm.gradient.ops.types import detect_layer_type, is_norm
 from dattri_llm.options import CaptureStyle
 from dattri_llm.utils.wrappers import unwrap_model

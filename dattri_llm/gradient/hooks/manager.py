@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks.assembly import StepAssembler, StepState
 from dattri_llm.gradient.hooks.config import HookManagerConfig, resolve_hook_assignments
 from dattri_llm.gradient.hooks.identity import SampleIdentity
@@ -47,8 +46,9 @@ from dattri_llm.gradient.hooks.installation import (
     split_families,
 )
 from dattri_llm.gradient.hooks.preconditioning import Preconditioning
-from dattri_llm.gradient.ops.projection import DattriProjector
-from dattri_llm.gradient.optimizer_state import OptimizerLike
+from dattri_llm.gradient.model.container import Gradient
+from dattri_llm.gradient.ops.projector import DattriProjector
+from dattri_llm.gradient.state.optimizer_snapshot import OptimizerLike
 from dattri_llm.utils.autograd import queue_backward_end_callback
 from dattri_llm.utils.wrappers import unwrap_model
 

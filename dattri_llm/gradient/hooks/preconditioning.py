@@ -12,13 +12,10 @@ import torch
 from torch import nn
 
 from dattri_llm.gradient.hooks.linear_io import check_preconditionable_projection
-from dattri_llm.gradient.ops.projection import DattriProjector
-from dattri_llm.gradient.optimizer_state import (
-    GradientPreconditioner,
-    OptimizerLike,
-    OptimizerSnapshot,
-    optimizer_type,
-)
+from dattri_llm.gradient.ops.projector import DattriProjector
+from dattri_llm.gradient.state.names import optimizer_type
+from dattri_llm.gradient.state.optimizer_snapshot import OptimizerLike, OptimizerSnapshot
+from dattri_llm.gradient.state.preconditioner import GradientPreconditioner
 
 __all__ = ["Preconditioning"]
 

@@ -39,7 +39,8 @@ from dattri_llm.gradient.model.records import (
 )
 from dattri_llm.gradient.model.validation import validate_batch_sizes, validate_layer
 from dattri_llm.gradient.ops.materialize import materialize, materialized_width_estimate
-from dattri_llm.gradient.ops.projection import DattriProjector, project_layer
+from dattri_llm.gradient.ops.projection import project_layer
+from dattri_llm.gradient.ops.projector import DattriProjector
 from dattri_llm.gradient.ops.similarity import block_similarity, block_similarity_per_token
 from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
 

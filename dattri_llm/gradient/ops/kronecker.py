@@ -37,16 +37,11 @@ from dattri_llm.gradient.ops.fisher_accumulators import FisherAccumulator as Fis
 from dattri_llm.gradient.ops.fisher_accumulators import (
     LayerFisherAccumulator as LayerFisherAccumulator,
 )
-from dattri_llm.gradient.ops.kronecker_accumulators import GRAM_PANEL as GRAM_PANEL
 from dattri_llm.gradient.ops.kronecker_accumulators import (
     KroneckerAccumulator as KroneckerAccumulator,
 )
 from dattri_llm.gradient.ops.kronecker_accumulators import (
     LayerKroneckerAccumulator as LayerKroneckerAccumulator,
-)
-from dattri_llm.gradient.ops.kronecker_accumulators import add_gram_lower_ as add_gram_lower_
-from dattri_llm.gradient.ops.kronecker_accumulators import (
-    symmetric_from_lower as symmetric_from_lower,
 )
 from dattri_llm.gradient.ops.kronecker_rows import (
     check_kfac_type,
@@ -54,9 +49,6 @@ from dattri_llm.gradient.ops.kronecker_rows import (
     has_ones_column,
     kfac_rows,
     preprocessed_3d,
-)
-from dattri_llm.gradient.ops.layer_sums import (
-    all_reduce_layer_accumulators as all_reduce_layer_accumulators,
 )
 from dattri_llm.gradient.ops.materialize import materialize_factors
 from dattri_llm.gradient.ops.types import is_conv_transpose

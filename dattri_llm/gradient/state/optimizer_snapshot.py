@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dattri_llm.gradient.gradient import base_layer_name
+from dattri_llm.gradient.model.records import base_layer_name
 from dattri_llm.gradient.ops.optimizer import OPTIMIZER_STATE_KEYS, precondition
 from dattri_llm.gradient.ops.types import NORM_TYPES, detect_layer_type
 from dattri_llm.gradient.state.layout import _SUPPORTED_TYPES, _lay_out

@@ -13,13 +13,10 @@ from typing import Any
 
 import torch
 
-from dattri_llm.gradient.gradient import base_layer_name
+from dattri_llm.gradient.model.records import base_layer_name
 from dattri_llm.gradient.ops.optimizer import precondition
-from dattri_llm.gradient.ops.projection import (
-    DattriProjector,
-    mask_coordinates,
-    project_materialized,
-)
+from dattri_llm.gradient.ops.projection import mask_coordinates, project_materialized
+from dattri_llm.gradient.ops.projector import DattriProjector
 from dattri_llm.gradient.state.optimizer_snapshot import OptimizerSnapshot
 
 __all__ = ["GradientPreconditioner"]

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
-from dattri_llm.gradient.lowrank import LowRank
+from dattri_llm.gradient.model.container import Gradient, GradientRecord
+from dattri_llm.gradient.model.lowrank import LowRank
+from dattri_llm.gradient.model.records import Factorized
 from dattri_llm.utils.atomic import atomic_torch_save, atomic_write
 
 DISK_FORMATS = ("pickle", "memmap")

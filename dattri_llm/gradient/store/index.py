@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dattri_llm.gradient.gradient import GradientRecord
+from dattri_llm.gradient.model.container import GradientRecord
 from dattri_llm.gradient.store.format import stored_hashes
 from dattri_llm.utils.hashing import hash_sample
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from dattri_llm.gradient.gradient import Gradient, GradientRecord
+from dattri_llm.gradient.model.container import Gradient, GradientRecord
 from dattri_llm.gradient.store.format import (
     GROUP_FILE_SUFFIXES,
     group_suffix,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from dattri_llm.gradient.ops.projection import DattriProjector
+from dattri_llm.gradient.ops.projector import DattriProjector
 from dattri_llm.gradient.store.format import FORMAT_VERSION
 from dattri_llm.utils.atomic import atomic_write
 

@@ -19,8 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch.utils.data
+from tqdm.auto import tqdm
 
-from dattri_llm.gradient.gradient import Gradient, GradientRecord, base_layer_name
+from dattri_llm.gradient.model.container import Gradient, GradientRecord
+from dattri_llm.gradient.model.records import base_layer_name
 from dattri_llm.gradient.stream.source import StreamBatch
 
 if TYPE_CHECKING:
@@ -462,8 +464,6 @@ class DiskGradientSource:
         """Blocks in store order; each group is read once."""
         blocks = (block for group in self._groups() for block in group)
         if self._desc is not None and self._verbose and getattr(self._args, "should_log", True):
-            from tqdm.auto import tqdm  # deferred: tqdm stays out of `import dattri_llm`
-
             blocks = tqdm(blocks, total=self._num_blocks, desc=self._desc)
         return iter(blocks)
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from dattri_llm.gradient.gradient import Factorized, Gradient
+from dattri_llm.gradient.model.container import Gradient
+from dattri_llm.gradient.model.records import Factorized
 from dattri_llm.gradient.ops.types import PARAM_GRAD_TYPES
 from dattri_llm.gradient.stream.readers import concatenate_gradients
 from dattri_llm.gradient.stream.source import StreamBatch

@@ -14,12 +14,13 @@ from contextlib import ExitStack
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
-from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.hooks.manager import HookManager
-from dattri_llm.gradient.snapshots import MANIFEST_FILE, TrajectorySnapshots
+from dattri_llm.gradient.model.container import Gradient
+from dattri_llm.gradient.state.snapshots import MANIFEST_FILE, TrajectorySnapshots
 from dattri_llm.gradient.stream.readers import (
     _layer_list,
     resolve_layer_filter,
@@ -293,8 +294,6 @@ class ReplayGradientSource:
             )
         blocks = self._pass()
         if self._desc is not None and self._verbose and getattr(self._args, "should_log", True):
-            from tqdm.auto import tqdm  # deferred: tqdm stays out of `import dattri_llm`
-
             blocks = tqdm(blocks, total=len(self._steps), desc=self._desc)
         return iter(blocks)
 

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from dattri_llm.gradient.gradient import Gradient
+from dattri_llm.gradient.model.container import Gradient
 
 __all__ = ["GradientSource", "LossFn", "StreamBatch"]
 

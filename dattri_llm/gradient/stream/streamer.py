@@ -18,11 +18,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
-from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.hooks.installation import BackwardTargets
 from dattri_llm.gradient.hooks.manager import HookManager
-from dattri_llm.gradient.snapshots import TrajectorySnapshots
+from dattri_llm.gradient.model.container import Gradient
+from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.stream.inputs import check_dataset, make_loader
 from dattri_llm.gradient.stream.replay import open_snapshots
 from dattri_llm.gradient.stream.settings import TrainingSettings

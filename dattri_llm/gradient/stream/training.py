@@ -25,8 +25,8 @@ from dattri_llm.utils.wrappers import is_fsdp
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.callbacks.capture_callback import CaptureCallback
-    from dattri_llm.gradient.gradient import GradientRecord
     from dattri_llm.gradient.hooks.manager import HookManager
+    from dattri_llm.gradient.model.container import GradientRecord
 
 
 # --------------------------------------------------------------------------- batches and records

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dattri_llm.gradient.gradient import Factorized, Gradient
+from dattri_llm.gradient.model.container import Gradient
+from dattri_llm.gradient.model.records import Factorized
 from dattri_llm.gradient.stream.settings import TrainingSettings
 from dattri_llm.utils.distributed import is_dist_initialized
 from dattri_llm.utils.wrappers import is_fsdp

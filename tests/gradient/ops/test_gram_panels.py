@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dattri_llm.gradient.ops.kronecker import (
+from dattri_llm.gradient.ops.kronecker import LayerKroneckerAccumulator
+from dattri_llm.gradient.ops.kronecker_accumulators import (
     GRAM_PANEL,
-    LayerKroneckerAccumulator,
     add_gram_lower_,
     symmetric_from_lower,
 )

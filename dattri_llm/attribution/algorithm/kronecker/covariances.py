@@ -21,18 +21,16 @@ from dattri_llm.attribution.algorithm.kronecker.curvature import token_summed_ro
 from dattri_llm.gradient.callbacks.kronecker_covariance_callback import (
     KroneckerCovarianceCallback,
 )
-from dattri_llm.gradient.lowrank import require_raw_factors
-from dattri_llm.gradient.ops.kronecker import (
-    FisherAccumulator,
-    KroneckerAccumulator,
-    kfac_rows,
-)
+from dattri_llm.gradient.model.lowrank import require_raw_factors
+from dattri_llm.gradient.ops.fisher_accumulators import FisherAccumulator
+from dattri_llm.gradient.ops.kronecker_accumulators import KroneckerAccumulator
+from dattri_llm.gradient.ops.kronecker_rows import kfac_rows
 from dattri_llm.gradient.ops.types import is_embedding, is_kfac_eligible, is_norm
 from dattri_llm.utils.distributed import all_gather_objects
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.gradient import Gradient
-    from dattri_llm.gradient.streaming import GradientSource
+    from dattri_llm.gradient.model.container import Gradient
+    from dattri_llm.gradient.stream.source import GradientSource
 
 Covariances = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dattri_llm.attribution.algorithm.kronecker.plan import KeptPasses
-from dattri_llm.gradient.ops.kronecker import FisherAccumulator, checked_spd_inverse, damping_for
+from dattri_llm.gradient.ops.fisher_accumulators import FisherAccumulator
+from dattri_llm.gradient.ops.kronecker import checked_spd_inverse, damping_for
 from dattri_llm.gradient.ops.materialize import materialize
 from dattri_llm.utils.cache import TensorCache
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.gradient import Gradient
-    from dattri_llm.gradient.streaming import GradientSource
+    from dattri_llm.gradient.model.container import Gradient
+    from dattri_llm.gradient.stream.source import GradientSource
 
 
 def token_summed_rows(value: torch.Tensor) -> torch.Tensor:

@@ -37,10 +37,10 @@ import torch
 from dattri_llm.attribution.algorithm.kronecker.curvature import layer_error, token_summed_rows
 from dattri_llm.attribution.algorithm.kronecker.kfac import KroneckerAttributor
 from dattri_llm.attribution.algorithm.kronecker.plan import KeptPasses
-from dattri_llm.gradient.gradient import Factorized
+from dattri_llm.gradient.model.records import Factorized
 from dattri_llm.gradient.ops.dot import effective_dims
+from dattri_llm.gradient.ops.fisher_accumulators import FisherAccumulator
 from dattri_llm.gradient.ops.kronecker import (
-    FisherAccumulator,
     ekfac_materialize,
     ekfac_precondition,
     ekfac_rotate_factors,
@@ -54,8 +54,8 @@ from dattri_llm.utils.distributed import all_reduce_named_sums
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.arguments import AttributionArguments
-    from dattri_llm.gradient.gradient import Gradient
-    from dattri_llm.gradient.streaming import GradientSource
+    from dattri_llm.gradient.model.container import Gradient
+    from dattri_llm.gradient.stream.source import GradientSource
     from dattri_llm.options import EKFACMode
 
 EKFAC_MODES = ("exact", "approx")

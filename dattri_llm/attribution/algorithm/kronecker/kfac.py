@@ -24,9 +24,9 @@ from dattri_llm.attribution.algorithm.kronecker.persistence import FisherPersist
 from dattri_llm.attribution.algorithm.kronecker.plan import KeptPasses
 from dattri_llm.attribution.algorithm.kronecker.recorded import CaptureTimeCovariances
 from dattri_llm.attribution.base import BaseInnerProductAttributor
-from dattri_llm.gradient.gradient import Factorized
+from dattri_llm.gradient.model.records import Factorized
+from dattri_llm.gradient.ops.fisher_accumulators import FisherAccumulator
 from dattri_llm.gradient.ops.kronecker import (
-    FisherAccumulator,
     checked_spd_inverse,
     damping_for,
     kfac_precondition,
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.callbacks.kronecker_covariance_callback import (
         KroneckerCovarianceCallback,
     )
-    from dattri_llm.gradient.gradient import Gradient
-    from dattri_llm.gradient.streaming import GradientSource
+    from dattri_llm.gradient.model.container import Gradient
+    from dattri_llm.gradient.stream.source import GradientSource
 
 
 class KroneckerAttributor(

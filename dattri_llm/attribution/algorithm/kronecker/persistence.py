@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dattri_llm.attribution.algorithm.kronecker.curvature import to_device
-from dattri_llm.attribution.utils import normalize_layer_names
+from dattri_llm.attribution.sources import normalize_layer_names
 from dattri_llm.utils.atomic import atomic_torch_save
 from dattri_llm.utils.keywords import keywords
 

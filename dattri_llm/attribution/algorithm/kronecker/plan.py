@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from dattri_llm.utils.distributed import all_gather_objects
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.gradient import Gradient
-    from dattri_llm.gradient.streaming import GradientSource
+    from dattri_llm.gradient.model.container import Gradient
+    from dattri_llm.gradient.stream.source import GradientSource
 
 DEFAULT_KEPT_GRADIENT_BUDGET = 1 << 30  # 1 GiB: fixed, independent of the free memory
 

@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from torch import nn
 
     from dattri_llm.attribution.algorithm.kronecker.covariances import Covariances
-    from dattri_llm.gradient.gradient import Gradient
     from dattri_llm.gradient.hooks.config import HookManagerConfig
+    from dattri_llm.gradient.model.container import Gradient
     from dattri_llm.gradient.storage_manager import GradientStorageManager
-    from dattri_llm.gradient.streaming import GradientStreamer
+    from dattri_llm.gradient.stream.streamer import GradientStreamer
 
 COVARIANCES_FILE = "kronecker_covariances.pt"
 

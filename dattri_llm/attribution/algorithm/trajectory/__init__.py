@@ -9,17 +9,21 @@
 * :mod:`.folds`: the folds of trajectory TracIn, DVEmb and AdamW-influence.
 """
 
-from dattri_llm.attribution.algorithm.trajectory.base import (
-    LOSS_REDUCTIONS,
-    PROPAGATIONS,
+from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
+from dattri_llm.attribution.algorithm.trajectory.recording import (
     TEST_GRADS_DIR,
     TRAIN_GRADS_DIR,
     TRAIN_SNAPSHOTS_DIR,
-    RunScope,
-    TrajectoryAttributor,
 )
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
-from dattri_llm.attribution.algorithm.trajectory.sweep import Fold, TrajectorySweep, WindowRows
+from dattri_llm.attribution.algorithm.trajectory.scope import RunScope
+from dattri_llm.attribution.algorithm.trajectory.sweep import (
+    LOSS_REDUCTIONS,
+    PROPAGATIONS,
+    Fold,
+    TrajectorySweep,
+    WindowRows,
+)
 
 __all__ = [
     "LOSS_REDUCTIONS",

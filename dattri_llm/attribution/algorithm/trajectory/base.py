@@ -25,9 +25,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from dattri_llm.attribution.algorithm.trajectory.recording import (
-    TEST_GRADS_DIR,
-    TRAIN_GRADS_DIR,
-    TRAIN_SNAPSHOTS_DIR,
     fresh_targets,
     record_run,
 )
@@ -36,7 +33,6 @@ from dattri_llm.attribution.algorithm.trajectory.scope import RunScope
 from dattri_llm.attribution.algorithm.trajectory.scope import resolve_steps as _resolve_steps
 from dattri_llm.attribution.algorithm.trajectory.scope import run_scope as _run_scope
 from dattri_llm.attribution.algorithm.trajectory.sweep import (
-    LOSS_REDUCTIONS,
     PROPAGATIONS,
     Emission,
     Fold,
@@ -52,10 +48,10 @@ from dattri_llm.attribution.sources import (
     normalize_layer_names,
     resolve_store,
 )
-from dattri_llm.gradient.datasets import DiskGradientSource
-from dattri_llm.gradient.snapshots import TrajectorySnapshots
+from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
-from dattri_llm.gradient.streaming import ReplayGradientSource
+from dattri_llm.gradient.stream.readers import DiskGradientSource
+from dattri_llm.gradient.stream.replay import ReplayGradientSource
 from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
@@ -63,19 +59,12 @@ if TYPE_CHECKING:
 
     from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.attribution.score import AttributionScore
-    from dattri_llm.gradient.callbacks import HookManagerCallback
+    from dattri_llm.gradient.callbacks.base import HookManagerCallback
     from dattri_llm.gradient.hooks.config import HookManagerConfig
-    from dattri_llm.gradient.streaming import GradientSource, GradientStreamer
+    from dattri_llm.gradient.stream.source import GradientSource
+    from dattri_llm.gradient.stream.streamer import GradientStreamer
 
-__all__ = [
-    "LOSS_REDUCTIONS",
-    "PROPAGATIONS",
-    "TEST_GRADS_DIR",
-    "TRAIN_GRADS_DIR",
-    "TRAIN_SNAPSHOTS_DIR",
-    "RunScope",
-    "TrajectoryAttributor",
-]
+__all__ = ["TrajectoryAttributor"]
 
 
 class TrajectoryAttributor(BaseInnerProductAttributor):

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dattri_llm.attribution.sources import fresh_store
-from dattri_llm.gradient.snapshots import TrajectorySnapshots
+from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.hooks.config import HookManagerConfig
     from dattri_llm.gradient.storage_manager import GradientStorageManager
-    from dattri_llm.gradient.streaming import GradientStreamer
+    from dattri_llm.gradient.stream.streamer import GradientStreamer
 
 TRAIN_GRADS_DIR = "train_grads"
 TRAIN_SNAPSHOTS_DIR = "train_snapshots"

@@ -13,7 +13,7 @@ from typing import Any
 
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
 from dattri_llm.attribution.algorithm.trajectory.sweep import swept_windows
-from dattri_llm.gradient.callbacks.training_dynamics_callback import load_training_dynamics
+from dattri_llm.gradient.state.dynamics import load_training_dynamics
 
 
 @dataclass

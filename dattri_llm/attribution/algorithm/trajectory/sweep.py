@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
-from dattri_llm.attribution.utils import per_sample_layers
+from dattri_llm.attribution.blocks import per_sample_layers
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.gradient import Gradient
-    from dattri_llm.gradient.streaming import GradientSource
+    from dattri_llm.gradient.model.container import Gradient
+    from dattri_llm.gradient.stream.source import GradientSource
 
 LOSS_REDUCTIONS = ("mean", "sum")
 PROPAGATIONS = ("train", "test")

@@ -1,4 +1,4 @@
-"""The attributors' shared helpers, at the path the API contract gives them.
+"""The attributors' shared helpers, at their public path.
 
 Re-exports only; each name lives in the module of its job:
 :mod:`.sources` (``normalize_layer_names``), :mod:`.collection`

@@ -1,4 +1,4 @@
-"""Gradient data model (spec path): ``Factorized``, ``Gradient``, ``GradientRecord``.
+"""Gradient data model (public path): ``Factorized``, ``Gradient``, ``GradientRecord``.
 
 Defined in :mod:`dattri_llm.gradient.model` (``records``: ``Factorized`` and the payload
 types; ``container``: ``Gradient`` and ``GradientRecord``); the classes report this module

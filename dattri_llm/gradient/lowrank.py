@@ -1,4 +1,4 @@
-"""Low-rank per-sample gradient records (LoRIF's storage format); spec path.
+"""Low-rank per-sample gradient records (LoRIF's storage format); public path.
 
 Defined in :mod:`dattri_llm.gradient.model.lowrank`; ``LowRank`` reports this module as
 its own, the path stores pickle it by.

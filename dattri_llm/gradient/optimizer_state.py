@@ -1,4 +1,4 @@
-"""Read a training optimizer's state in the coordinates of captured gradients (spec path).
+"""Read a training optimizer's state in the coordinates of captured gradients (public path).
 
 Re-exports; the code lives in :mod:`dattri_llm.gradient.state`:
 ``optimizer_snapshot.py`` (:class:`OptimizerSnapshot`, :class:`LayerOptimizerState`),

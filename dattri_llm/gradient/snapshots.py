@@ -1,4 +1,4 @@
-"""``TrajectorySnapshots``: a trajectory's per-step parameters, batches and moments (spec path).
+"""``TrajectorySnapshots``: a trajectory's per-step parameters, batches and moments (public path).
 
 Re-exports :mod:`dattri_llm.gradient.state.snapshots`, where the store lives.
 """

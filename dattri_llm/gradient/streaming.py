@@ -16,7 +16,7 @@ from dattri_llm.gradient.stream.source import GradientSource, LossFn, StreamBatc
 from dattri_llm.gradient.stream.streamer import GradientStreamer
 from dattri_llm.gradient.stream.training import autocast_for, move_batch
 from dattri_llm.gradient.stream.wrapping import (
-    _build_auto_wrap_policy as _build_auto_wrap_policy,  # named here by the API contract
+    _build_auto_wrap_policy as _build_auto_wrap_policy,  # public at this path
 )
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Low-level hook registration: per-sample factor capture, parameter gradients, invasive forwards.
 
-The spec path of the low-level API; the code lives by hook family:
+The public path of the low-level API; the code lives by hook family:
 
 * :mod:`.layer_capture` — one ``linear_io`` layer's forward/backward pairing
   and its captures (:data:`LayerBuffer`, :func:`current_forward_token`);

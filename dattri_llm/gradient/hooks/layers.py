@@ -65,7 +65,7 @@ _TORCH_CAPABLE = _torch_capable_classes()
 def is_linear_io_capable(module: nn.Module) -> bool:
     """Whether ``module``'s type is one whose gradient factorizes for ``linear_io`` capture.
 
-    Decided by ``isinstance`` against the capable classes (``capture.md`` §1, less
+    Decided by ``isinstance`` against the capable classes (less
     ``nn.Bilinear``, whose gradient needs both inputs), never by name. The one
     test every hook-assignment path uses.
     """

@@ -69,7 +69,7 @@ class HookManager:
     :class:`GradientRecord` goes to every callback's ``on_step_end``.
 
     ``optimizer`` (an optimizer, or a zero-argument callable returning one,
-    called on first use) enables preconditioned capture (``capture.md`` §5):
+    called on first use) enables preconditioned capture:
     each hooked layer buffers the dense ``(B, k)`` ``ops.precondition`` map of
     its per-sample gradient on the captured coordinates (whole layer; the mask
     subset under ``"mask"``; the whole layer before a ``"dense"`` projection,

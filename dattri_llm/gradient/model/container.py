@@ -445,7 +445,7 @@ class Gradient(GradientLayout):
         return block_similarity_per_token(self, other, reduce)
 
 
-# Stores pickle this class by its spec path (set after the decorator, see records.py).
+# Stores pickle this class by its public path (set after the decorator, see records.py).
 Gradient.__module__ = _SPEC_MODULE
 
 

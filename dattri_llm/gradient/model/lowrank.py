@@ -69,7 +69,7 @@ class LowRank(Factorized):
         return self.activation.shape[self.token_axis]
 
 
-# Stores pickle this class by its spec path (set after the decorator, see model/records.py).
+# Stores pickle this class by its public path (set after the decorator, see model/records.py).
 LowRank.__module__ = "dattri_llm.gradient.lowrank"
 
 

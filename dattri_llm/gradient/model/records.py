@@ -20,7 +20,7 @@ import torch
 GradientRepresentation = Literal["materialized", "factorized"]
 Indexing = Literal["batch", "batch_token"]
 
-# The spec module of the public names defined here (gradient-model.md); they report it.
+# The public module of the public names defined here; they report it.
 _SPEC_MODULE = "dattri_llm.gradient.gradient"
 # Kernel errors re-raised with the layer name prefixed (exact types only: subclasses
 # may have other constructors).
@@ -157,7 +157,7 @@ class Factorized:
         )
 
 
-# Stores pickle this class by its spec path (after the decorator: a dataclass resolves its
+# Stores pickle this class by its public path (after the decorator: a dataclass resolves its
 # string annotations in the namespace its ``__module__`` names).
 Factorized.__module__ = _SPEC_MODULE
 

@@ -6,7 +6,7 @@ backward recurrence over ``k`` coordinates and a ``p``-row summary
 ``W = [W_θ | W_m | W_v]`` (each ``(p, k)``). Arithmetic runs in the compute
 dtype of ``ops.dtypes`` (at least float32); results are float32.
 
-The contract (``ops.md`` §6) lists them under ``ops/optimizer.py``, which
+The public API lists them under ``ops/optimizer.py``, which
 re-exports them; they keep that module path (``__module__``).
 """
 
@@ -177,7 +177,7 @@ def adamw_influence_coupling(
     return (r @ w.T).to(torch.float32)
 
 
-# Their spec path (ops.md §6), which the contract tests compare with ``__module__``.
+# Their public path, which the API tests compare with ``__module__``.
 for _kernel in (
     adam_preconditioner,
     adamw_influence_push,

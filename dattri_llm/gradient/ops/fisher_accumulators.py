@@ -35,7 +35,7 @@ Tensor = torch.Tensor
 class LayerFisherAccumulator:
     """Running dense empirical Fisher ``Σ g gᵀ`` of one layer over samples."""
 
-    __module__ = "dattri_llm.gradient.ops.kronecker"  # spec path (ops.md §5), re-exported there
+    __module__ = "dattri_llm.gradient.ops.kronecker"  # public path, re-exported there
 
     total: Tensor | None = field(default=None, init=False)
     count: int = field(default=0, init=False)
@@ -122,7 +122,7 @@ class FisherAccumulator:
     :attr:`skipped`.
     """
 
-    __module__ = "dattri_llm.gradient.ops.kronecker"  # spec path (ops.md §5), re-exported there
+    __module__ = "dattri_llm.gradient.ops.kronecker"  # public path, re-exported there
 
     def __init__(self, max_params: int | None = None) -> None:
         """Start empty; ``max_params=None`` keeps every layer."""

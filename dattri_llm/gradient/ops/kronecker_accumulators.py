@@ -73,7 +73,7 @@ def symmetric_from_lower(total: Tensor) -> Tensor:
 class LayerKroneckerAccumulator:
     """Running K-FAC covariance sums ``Σ a aᵀ``, ``Σ g gᵀ`` of one layer over token rows."""
 
-    __module__ = "dattri_llm.gradient.ops.kronecker"  # spec path (ops.md §5), re-exported there
+    __module__ = "dattri_llm.gradient.ops.kronecker"  # public path, re-exported there
 
     a_sum: Tensor | None = field(default=None, init=False)
     g_sum: Tensor | None = field(default=None, init=False)
@@ -166,7 +166,7 @@ class LayerKroneckerAccumulator:
 class KroneckerAccumulator:
     """Per-layer K-FAC covariances over :class:`Gradient` blocks."""
 
-    __module__ = "dattri_llm.gradient.ops.kronecker"  # spec path (ops.md §5), re-exported there
+    __module__ = "dattri_llm.gradient.ops.kronecker"  # public path, re-exported there
 
     layers: dict[str, LayerKroneckerAccumulator] = field(default_factory=dict, init=False)
 

@@ -1,6 +1,6 @@
 """Materialization: factors → flattened per-sample gradients ``(B, d)``.
 
-The coordinate order is the normative layout of ``gradient-model.md``:
+The coordinate order is the layout documented in docs/API.md:
 
 * linear / conv: row-major ``(D_out, D_in' [+1])`` (bias = last column of each
   row; grouped conv: compact ``(C_out, C_in/groups·Πk [+1])``; HF ``Conv1D``

@@ -20,7 +20,7 @@ so ``exp_avg`` passed here is ``m`` before that state update.
 
 The AdamW-influence kernels (``adam_preconditioner``, ``adamw_influence_push``,
 ``adamw_influence_transition``, ``adamw_influence_coupling``) live in
-``ops/adamw_influence.py`` and are re-exported here (their spec path).
+``ops/adamw_influence.py`` and are re-exported here (their public path).
 """
 
 from __future__ import annotations

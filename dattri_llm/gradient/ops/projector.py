@@ -19,7 +19,7 @@ from dattri_llm.gradient.ops import dtypes
 from dattri_llm.gradient.ops.random_projection import _check_proj_dim, _mix_seed, random_project
 from dattri_llm.utils.cache import TensorCache
 
-# Both classes report their spec path, where they are documented and compared.
+# Both classes report their public path, where they are documented and compared.
 _SPEC_MODULE = "dattri_llm.gradient.ops.projection"
 
 _IDENTITY_CHUNK_ROWS = 8192

@@ -184,5 +184,5 @@ def random_project(
     return project
 
 
-# Stores record the factory by this name (``module.qualname``): its spec path.
+# Stores record the factory by this name (``module.qualname``): its public path.
 random_project.__module__ = "dattri_llm.gradient.ops.projection"

@@ -15,7 +15,7 @@ One job per module:
 * ``dynamics.py`` — a step's moment entry (:func:`assemble_dynamics`) and the run's
   ``training_dynamics.json``.
 
-The public names are imported from their spec paths,
+The public names are imported from their public paths,
 ``dattri_llm.gradient.optimizer_state`` and ``dattri_llm.gradient.snapshots``
 (and the callbacks in ``dattri_llm.gradient.callbacks``); this package imports
 nothing from ``callbacks``.

@@ -251,7 +251,7 @@ class GradientStreamer:
         if config is None:
             config = HookManagerConfig(linear_io=REGISTER_ALL)
         # A trajectory's optimizer may be built from args on first use: hand the manager a
-        # callable it resolves then (capture.md: a callable optimizer is resolved on first use).
+        # callable it resolves then (a callable optimizer is resolved on first use).
         optimizer = self._capture_optimizer if self._precondition else None
         manager = HookManager(
             model, config=config, callbacks=[CaptureCallback()], optimizer=optimizer

@@ -51,7 +51,7 @@ class KroneckerCalls:
         self._test_eigenbasis_mode = None
 
     @keywords(aliases={"fisher_dir": "fit_dir"})
-    def attribute_from_cache(  # noqa: D417 - documented in attribution.md §7
+    def attribute_from_cache(  # noqa: D417 - documented in docs/API.md
         self,
         train_source: object,
         test_source: object,
@@ -156,7 +156,7 @@ class KroneckerCalls:
                     self._identity_test = False
 
     @keywords(aliases={"train_gradients_dir": "train_source", "fisher_dir": "fit_dir"})
-    def fit(  # noqa: D417 - documented in attribution.md §7
+    def fit(  # noqa: D417 - documented in docs/API.md
         self,
         train_source: object,
         fit_dir: str | None = None,
@@ -200,7 +200,7 @@ class KroneckerCalls:
         return self.save_fisher(self.raw_fit[0], fit_dir, fisher=self.raw_fit[1])
 
     @keywords(aliases={"train_gradients_dir": "train_source", "test_gradients_dir": "test_source"})
-    def cache_preconditioned_test(  # noqa: D417 - documented in attribution.md §7
+    def cache_preconditioned_test(  # noqa: D417 - documented in docs/API.md
         self,
         train_source: object,
         test_source: object,
@@ -258,7 +258,7 @@ class KroneckerCalls:
         return directory
 
     @keywords(aliases={"fisher_dir": "fit_dir"})
-    def attribute(  # noqa: D417 - documented in attribution.md §7
+    def attribute(  # noqa: D417 - documented in docs/API.md
         self,
         train_dataset: object,
         test_dataset: object,

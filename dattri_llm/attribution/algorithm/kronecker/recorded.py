@@ -229,7 +229,7 @@ class CaptureTimeCovariances:
         return result
 
     @keywords(extra=("cache_dir", "hook_config", "enable_update", "on_train_block"))
-    def cache(  # noqa: D417 - documented in attribution.md §7
+    def cache(  # noqa: D417 - documented in docs/API.md
         self,
         train_dataset: object,
         test_dataset: object,

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from dattri_llm.attribution import utils as attribution_utils
 from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory.folds import DVEmbFold
 from dattri_llm.attribution.algorithm.trajectory.sweep import (
@@ -46,7 +45,7 @@ from dattri_llm.attribution.algorithm.trajectory.sweep import (
     TrajectorySweep,
     check_choice,
 )
-from dattri_llm.attribution.sources import _check_dataset, fresh_store
+from dattri_llm.attribution.sources import _check_dataset, fresh_store, normalize_layer_names
 from dattri_llm.gradient.model.container import Gradient, GradientRecord
 from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
@@ -373,7 +372,7 @@ class DVEmbAttributor(TrajectoryAttributor):
         source = self.open_train_source(
             train_source,
             steps=scope.swept_steps,
-            layer_name=attribution_utils.normalize_layer_names(layer_name),
+            layer_name=normalize_layer_names(layer_name),
         )
         try:
             yield from engine.emissions(

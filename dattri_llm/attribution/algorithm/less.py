@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from dattri_llm.attribution import utils as attribution_utils
 from dattri_llm.attribution.algorithm.tracin import COSINE_EPS
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
 from dattri_llm.attribution.algorithm.trajectory.sweep import LOSS_REDUCTIONS, check_choice
 from dattri_llm.attribution.base import BaseInnerProductAttributor
+from dattri_llm.attribution.blocks import per_sample_layers, scale_rows
+from dattri_llm.attribution.schedule import LR_SCHEDULE_FILE, read_lr_schedule
 from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDynamicsCallback
 from dattri_llm.gradient.model.container import Gradient
 from dattri_llm.gradient.model.records import Factorized
@@ -68,7 +69,7 @@ def row_norms(block: Gradient) -> torch.Tensor:
     gradient); ``param_grad`` layers carry no sample axis and are left out.
     """
     total = None
-    for name in attribution_utils.per_sample_layers(block):
+    for name in per_sample_layers(block):
         value = block.data[name]
         if isinstance(value, torch.Tensor) and block.indexing[name] == "batch_token":
             value = value.sum(dim=1)
@@ -86,7 +87,7 @@ def row_norms(block: Gradient) -> torch.Tensor:
 def scale_to_norm(block: Gradient, norm: float) -> Gradient:
     """``block`` with every sample's gradient rescaled to norm ``norm`` (zero rows stay 0)."""
     norms = row_norms(block)
-    return attribution_utils.scale_rows(block, norm / (norms + COSINE_EPS))
+    return scale_rows(block, norm / (norms + COSINE_EPS))
 
 
 # ---------------------------------------------------------------------------- step weights
@@ -425,9 +426,9 @@ class LESSAttributor(BaseInnerProductAttributor):
             recorded = {step: run.reference_lr(window) for step, window in windows.items()}
             table = _steps_table("the recorded run (training_dynamics.json)", recorded)
             return _times(table, clip), "training_dynamics"
-        schedule = attribution_utils.read_lr_schedule(train_store.save_dir)
+        schedule = read_lr_schedule(train_store.save_dir)
         if schedule is not None:
-            path = train_store.save_dir / attribution_utils.LR_SCHEDULE_FILE
+            path = train_store.save_dir / LR_SCHEDULE_FILE
             return _steps_table(f"the schedule {str(path)!r}", schedule), "lr_schedule"
         return _constant(1.0), "unit"
 
@@ -470,7 +471,7 @@ class _CoordinateRates:
         if window is None or self.run.uniform(window, "lr") is not None:
             return block
         data = dict(block.data)
-        for name in attribution_utils.per_sample_layers(block):
+        for name in per_sample_layers(block):
             value = block.data[name]
             if isinstance(value, Factorized):
                 self.run.warn_once(

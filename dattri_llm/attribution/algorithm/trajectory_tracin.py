@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from dattri_llm.attribution import utils as attribution_utils
 from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory.folds import TracInFold
 from dattri_llm.attribution.algorithm.trajectory.sweep import SweepResult
+from dattri_llm.attribution.blocks import scale_rows
+from dattri_llm.attribution.sources import normalize_layer_names
 from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
@@ -165,7 +166,7 @@ class TrajectoryTracInAttributor(TrajectoryAttributor):
         loop_over_test: bool,
     ) -> tuple[SweepResult, list[str]]:
         """Grad-Dot of the emitted steps with each step's rows scaled by its weight."""
-        layers = attribution_utils.normalize_layer_names(layer_name)
+        layers = normalize_layer_names(layer_name)
         steps = sorted(set(scope.swept_steps) & set(scope.output_steps))
         source = self.open_train_source(
             train_source, steps=steps, layer_name=layers, hook_config=hook_config
@@ -192,7 +193,7 @@ class TrajectoryTracInAttributor(TrajectoryAttributor):
         if self._step_weights is None:
             return block
         factors = torch.full((block.batch_size,), self._step_weights[step])
-        return attribution_utils.scale_rows(block, factors)
+        return scale_rows(block, factors)
 
 
 def _uniform_weights(scope: RunScope, rates: Mapping[int, float] | None) -> dict[int, float] | None:

@@ -1,9 +1,12 @@
 """The gradient tier: data model, ops, capture hooks and callbacks, store, sources.
 
-``Gradient`` and ``Factorized`` are exported from :mod:`dattri_llm` and
-:mod:`dattri_llm.gradient.gradient`; the gradient sources (``GradientStreamer``,
-``DiskGradientSource``) from :mod:`dattri_llm.gradient.streaming`, whose model
-placement (DDP / FSDP wrapping) is in :mod:`dattri_llm.gradient.wrapping`.
+Its parts have folders: ``model/`` (the data model), ``ops/`` (exact kernels),
+``hooks/`` and ``callbacks/`` (capture), ``store/`` (the store's parts, behind
+``storage_manager.py``), ``state/`` (optimizer state, recorded trajectories) and
+``stream/`` (gradient sources). ``Gradient`` and ``Factorized`` are exported from
+:mod:`dattri_llm` and :mod:`dattri_llm.gradient.gradient`; the gradient sources
+(``GradientStreamer``, ``DiskGradientSource``) from
+:mod:`dattri_llm.gradient.streaming`.
 """
 
 from dattri_llm.gradient import ops

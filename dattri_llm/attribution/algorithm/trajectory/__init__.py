@@ -1,7 +1,10 @@
 """The trajectory methods' shared machinery: collection, recorded dynamics, the one sweep.
 
 * :mod:`.base`: :class:`TrajectoryAttributor`, the base of every trajectory
-  method (collecting a run, opening its sources, the shared scoring flow);
+  method (opening a run's sources, the shared scoring flow);
+* :mod:`.recording`: recording a run (the training side's steps, then the
+  queries at the final parameters);
+* :mod:`.scope`: :class:`RunScope`, the steps one scoring call propagates and emits;
 * :mod:`.run`: :class:`RunDynamics` / :class:`Window`, what each recorded
   optimizer update applied (windows, clip, loss scale, per-coordinate values);
 * :mod:`.sweep`: :class:`TrajectorySweep`, the backward sweep over the

@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 import dattri_llm.attribution.collection as collection
+import dattri_llm.attribution.gather as gather
 import dattri_llm.attribution.runs as runs
 import dattri_llm.attribution.scoring as scoring
 import dattri_llm.attribution.sources as sources
@@ -500,6 +501,12 @@ class BaseInnerProductAttributor(BaseAttributor):
         :meth:`attribute_from_cache`. Rows are stamped with the checkpoint
         index, or the optimizer step with ``enable_update=True``; checkpoint
         rows are concatenated (``agnostic_matrix()`` sums them).
+
+        Under a process group with the training set sharded over the ranks
+        (``WORLD_SIZE > 1``), every rank's rows are gathered in training-set
+        order (:func:`~dattri_llm.attribution.gather.gather_results`): every
+        rank returns the complete score, equal to the single-process one, and
+        rank 0 saves it.
         """
         check_granularity(attribution_granularity)
         runs.check_residency(gradient_cache_residency, enable_update, loop_over_test)
@@ -524,6 +531,13 @@ class BaseInnerProductAttributor(BaseAttributor):
                 attribution_kwargs,
                 **options,
             )
+        results = gather.gather_results(
+            results,
+            num_samples=len(train_dataset),
+            world_size=self.args.world_size,
+            rank=self.args.process_index,
+            unique=gradient_cache_residency is not None,
+        )
         scores, row_ids, row_steps, test_ids, row_tokens = runs.concat_results(results)
         meta = {
             "n_checkpoints": len(results),

@@ -24,6 +24,7 @@ from dattri_llm.attribution.scoring import ScoreResult
 from dattri_llm.attribution.sources import _require_records, normalize_layer_names
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.cache import CACHE_RESIDENCIES
+from dattri_llm.utils.distributed import dist_barrier
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.score import AttributionScore
@@ -137,6 +138,7 @@ def score_collected(
         for train_dir, test_dir in attributor.cache(
             train_dataset, test_dataset, hook_config=hook_config, enable_update=enable_update
         ):
+            dist_barrier()  # a shared store is read once every rank has written its shard
             score = attributor.attribute_from_cache(train_dir, test_dir, **score_kwargs)
             results.append(score_result(score))
         return results, list(attributor._hooked_layers)

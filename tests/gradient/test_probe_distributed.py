@@ -64,12 +64,12 @@ def _assert_bit_identical(plain: dict, probed: dict) -> None:
 
 @pytest.mark.parametrize("name", ["ddp_bucket_view", "ddp_grad_copy", "fsdp_bf16", "fsdp_fp16"])
 def test_probes_between_steps_leave_training_bit_identical(outcomes, name):
-    from probe_distributed_helpers import N_QUERIES, N_TRAIN, WORLD
+    from probe_distributed_helpers import N_QUERIES, N_TRAIN
 
     for outcome in _completed(outcomes, name):
         plain, probed = outcome["plain"], outcome["probed"]
         assert plain["query_at"] == "theta_0" and probed["query_at"] == "theta_t"
-        assert probed["scores_shape"] == (N_TRAIN // WORLD, N_QUERIES)  # this rank's rows
+        assert probed["scores_shape"] == (N_TRAIN, N_QUERIES)  # every rank's rows, gathered
         _assert_bit_identical(plain["params"], probed["params"])
 
 

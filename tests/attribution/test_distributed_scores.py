@@ -1,0 +1,146 @@
+"""A sharded live ``attribute`` returns and saves the complete score on every rank.
+
+Two gloo ranks (CPU, DDP-wrapped, see ``distributed_scores_helpers``) each
+stream their unpadded shard of 7 training samples (4 and 3) against 3 queries.
+After the gather every rank's score must equal the single-process score of the
+same call: the same rows in the same order (ids, steps, token positions), the
+same columns, and the same values; rank 0's saved score file must equal it.
+Cases: Grad-Dot, TracIn over two checkpoints and K-FAC, each at instance and
+token granularity, Grad-Dot scored from a ``"memory"`` store per rank (the
+ranks' stores gathered) and Grad-Dot from a ``"disk"`` store both ranks share
+(each rank scores it whole; rows in the store's order, rank 0's shard first,
+so that case is compared row by row after matching rows by identity). The
+train set holds one sample twice (on different ranks): live, it appears twice,
+as in the single-process run; from a store, which holds each (sample, step)
+once, once, as in the single-process store.
+
+Values: the ids, steps, token positions and columns are compared exactly;
+the scores with ``rtol=1e-5`` (relative to the largest score). Each row is one
+sample's inner products, but the per-sample gradients come out of float32
+kernels run on batches of different composition (rank 0 pairs samples 0 and
+2, one process samples 0 and 1), which round differently in the last bits;
+K-FAC also all-reduces its covariances across the ranks, another summation
+order. Observed differences are ~1e-7 relative (the single-process run itself
+gives its duplicated sample two rows that differ by as much). The tolerance is
+far below the gaps between the scores (checked), so a row in the wrong place
+cannot pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import Counter
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from distributed_scores_helpers import (
+    CASES,
+    N_TRAIN,
+    SHARED_STORE_CASES,
+    run_case,
+    worker,
+)
+from free_port import free_port
+from kfac_distributed_helpers import WORLD
+
+from dattri_llm.attribution.gather import gather_results
+
+pytest.importorskip("transformers")  # the live streamer seeds through transformers.set_seed
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{case: ([rank results], single-process result)}`` from one 2-rank run."""
+    assert "WORLD_SIZE" not in os.environ  # the single-process runs below are unsharded
+    root = tmp_path_factory.mktemp("distributed_scores")
+    mp.start_processes(
+        worker,
+        args=(f"tcp://127.0.0.1:{free_port()}", str(root)),
+        nprocs=WORLD,
+        join=True,
+        start_method="fork",
+    )
+    ranks = [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
+    return {
+        case: ([result[case] for result in ranks], run_case(case, str(root / f"single_{case}")))
+        for case in CASES
+    }
+
+
+def _in_store_order(got: dict, expected: dict) -> dict:
+    """``got``'s rows in ``expected``'s order (a shared store lists rank 0's shard first)."""
+    tokens = got["row_tokens"] or [0] * len(got["row_ids"])
+    row_of = {key: row for row, key in enumerate(zip(got["row_ids"], got["row_steps"], tokens))}
+    assert len(row_of) == len(tokens)  # each (sample, step, position) once
+    wanted = zip(expected["row_ids"], expected["row_steps"], expected["row_tokens"] or tokens)
+    rows = [row_of[key] for key in wanted]
+    assert sorted(rows) == list(range(len(tokens)))
+    return {
+        "scores": got["scores"][rows],
+        "row_ids": [got["row_ids"][r] for r in rows],
+        "row_steps": [got["row_steps"][r] for r in rows],
+        "row_tokens": None if got["row_tokens"] is None else [got["row_tokens"][r] for r in rows],
+        "test_ids": got["test_ids"],
+    }
+
+
+def _assert_same_score(got: dict, expected: dict, case: str) -> None:
+    if case in SHARED_STORE_CASES:
+        got = _in_store_order(got, expected)
+    for key in ("row_ids", "row_steps", "row_tokens", "test_ids"):
+        assert got[key] == expected[key], key
+    scale = expected["scores"].abs().max().item()
+    torch.testing.assert_close(got["scores"], expected["scores"], rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_rank_returns_the_single_process_score(runs, case):
+    ranks, single = runs[case]
+    for rank, got in enumerate(ranks):
+        _assert_same_score(got, single, case)
+        # one group of rows per sample and checkpoint; the duplicated sample twice, no more
+        # (once from a store, which holds each (sample, step) once)
+        firsts = [
+            h
+            for i, h in enumerate(got["row_ids"])
+            if got["row_tokens"] is None or got["row_tokens"][i] == 0
+        ]
+        checkpoints = 2 if "2ckpt" in case else 1
+        copies = 1 if case.endswith("store") else 2  # a store holds (sample, step) once
+        assert len(firsts) == (N_TRAIN - 2 + copies) * checkpoints, rank
+        counts = Counter(firsts)
+        assert len(counts) == N_TRAIN - 1
+        assert max(counts.values()) == copies * checkpoints
+    # the tolerance is far below the differences between the rows of different samples
+    scores, scale = single["scores"], single["scores"].abs().max()
+    tokens = single["row_tokens"] or [0] * len(single["row_ids"])
+    keys = list(zip(single["row_ids"], single["row_steps"], tokens))
+    for i, j in itertools.combinations(range(len(keys)), 2):
+        if keys[i] != keys[j]:
+            assert (scores[i] - scores[j]).abs().max() > 1e-4 * scale, (keys[i], keys[j])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rank_zero_saves_the_complete_score(runs, case):
+    ranks, single = runs[case]
+    _assert_same_score(ranks[0]["saved"], single, case)
+    if case not in SHARED_STORE_CASES:
+        assert ranks[0]["wrote_score"] and not ranks[1]["wrote_score"]
+
+
+@pytest.mark.slow
+def test_token_rows_of_a_sample_stay_together(runs):
+    ranks, single = runs["grad_dot_token"]
+    tokens = ranks[0]["row_tokens"]
+    assert tokens == single["row_tokens"] == [0, 1, 2] * N_TRAIN
+
+
+def test_sharded_without_a_process_group_warns_and_keeps_the_shard():
+    result = (torch.ones(2, 1), ["a", "b"], [0, 0], ["q"], None)
+    with pytest.warns(UserWarning, match="shard only.*init_process_group"):
+        assert gather_results([result], num_samples=4, world_size=2, rank=0) == [result]
+    assert gather_results([result], num_samples=2, world_size=1, rank=0) == [result]

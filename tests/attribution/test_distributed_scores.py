@@ -144,3 +144,57 @@ def test_sharded_without_a_process_group_warns_and_keeps_the_shard():
     with pytest.warns(UserWarning, match="shard only.*init_process_group"):
         assert gather_results([result], num_samples=4, world_size=2, rank=0) == [result]
     assert gather_results([result], num_samples=2, world_size=1, rank=0) == [result]
+
+
+def _rank_result(samples: list[int], steps: list[int], tokens: int | None) -> tuple:
+    """A rank's result whose rows name their sample (and position) in the scores."""
+    per = 1 if tokens is None else tokens
+    ids = [f"s{i}" for i in samples for _ in range(per)]
+    row_steps = [s for s in steps for _ in range(per)]
+    positions = None if tokens is None else list(range(tokens)) * len(samples)
+    values = torch.tensor([[10.0 * i + p] for i in samples for p in range(per)])
+    return values, ids, row_steps, ["q"], positions
+
+
+@pytest.mark.parametrize("tokens", [None, 2])
+def test_merge_interleaves_shards_into_sampler_order_per_step(tokens):
+    from dattri_llm.attribution.gather import _merge
+
+    # N=7 over 2 ranks in batches of 2, two epochs: rank 0 holds 0,2,4,6 (steps 0,0,1,1),
+    # rank 1 holds 1,3,5 (steps 0,0,1); the epochs are steps 0-1 and 2-3.
+    rank0 = _rank_result([0, 2, 4, 6] * 2, [0, 0, 1, 1, 2, 2, 3, 3], tokens)
+    rank1 = _rank_result([1, 3, 5] * 2, [0, 0, 1, 2, 2, 3], tokens)
+    scores, ids, steps, test_ids, positions = _merge([rank0, rank1], 7, unique=False)
+    order = [0, 1, 2, 3, 4, 5, 6] * 2
+    per = 1 if tokens is None else tokens
+    assert ids == [f"s{i}" for i in order for _ in range(per)]
+    assert steps == [s for s in [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3] for _ in range(per)]
+    assert positions == (None if tokens is None else [0, 1] * 14)
+    assert scores[:, 0].tolist() == [10.0 * i + p for i in order for p in range(per)]
+    assert test_ids == ["q"]
+
+
+def test_merge_from_stores_keeps_one_group_per_sample_and_step():
+    from dattri_llm.attribution.gather import _merge
+
+    # sample 2 sits on both ranks at step 0 (a padded sampler); the store keeps it once,
+    # at its last place (rank 1's position 3)
+    rank0 = _rank_result([0, 2], [0, 0], None)
+    rank1 = _rank_result([1, 2], [0, 0], None)
+    _, ids, _, _, _ = _merge([rank0, rank1], 4, unique=True)
+    assert ids == ["s0", "s1", "s2"]
+    _, ids, _, _, _ = _merge([rank0, rank1], 4, unique=False)
+    assert ids == ["s0", "s1", "s2", "s2"]
+
+
+def test_merge_aligns_columns_and_refuses_other_test_samples():
+    from dattri_llm.attribution.gather import _merge
+
+    rank0 = (torch.tensor([[1.0, 2.0]]), ["a"], [0], ["q1", "q2"], None)
+    rank1 = (torch.tensor([[4.0, 3.0]]), ["b"], [0], ["q2", "q1"], None)
+    scores, ids, _, test_ids, _ = _merge([rank0, rank1], 2, unique=False)
+    assert test_ids == ["q1", "q2"] and ids == ["a", "b"]
+    assert scores.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    other = (torch.tensor([[4.0]]), ["b"], [0], ["q3"], None)
+    with pytest.raises(ValueError, match="rank 1 scored other test samples"):
+        _merge([rank0, other], 2, unique=False)

@@ -242,6 +242,15 @@ def test_empty_store_repeated_ids_and_refusals(stores, tmp_path):
     assert top.as_dict() == full.top_k(2) == {"q": [("a", -3.0), ("b", -12.0)]}
 
 
+@pytest.mark.parametrize("cls", [TracInAttributor, KFACAttributor])
+def test_loop_over_test_layer_selection_and_progress(stores, tmp_path, cls):
+    options = {"loop_over_test": True, "layer_name": "fc2", "verbose": True}
+    full = cls(_args(tmp_path / "f")).attribute_from_cache(stores["tr"], stores["te"], **options)
+    top = cls(_args(tmp_path / "t")).top_k_from_cache(stores["tr"], stores["te"], 5, **options)
+    assert top.as_dict() == full.top_k(5)
+    assert top.layer_name == ["fc2"]
+
+
 def _dict_loss(model, batch):
     return ((model(batch["x"]) - batch["y"]) ** 2).sum()
 

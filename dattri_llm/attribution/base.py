@@ -30,6 +30,7 @@ import dattri_llm.attribution.gather as gather
 import dattri_llm.attribution.runs as runs
 import dattri_llm.attribution.scoring as scoring
 import dattri_llm.attribution.sources as sources
+import dattri_llm.attribution.topk as topk
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.scoring import ATTRIBUTION_GRANULARITIES as ATTRIBUTION_GRANULARITIES
 from dattri_llm.attribution.scoring import ScoreResult, check_granularity
@@ -107,12 +108,13 @@ class BaseAttributor(ABC):
         """Score from gradient stores (no model needed)."""
 
 
-class BaseInnerProductAttributor(BaseAttributor):
+class BaseInnerProductAttributor(topk.TopKCalls, BaseAttributor):
     """Scores ``Σ_shared layers <T_train(g_i), T_test(g_j)>`` over gradient sources.
 
     Tied weights (e.g. a shared embedding and output head) are scored per use
     site: each hooked module contributes its own term and cross-site terms are
-    dropped.
+    dropped. ``top_k`` / ``top_k_from_cache`` (:class:`~.topk.TopKCalls`) rank
+    each query's best training samples without the full matrix.
 
     Attributes:
         args: the run settings.
@@ -128,6 +130,7 @@ class BaseInnerProductAttributor(BaseAttributor):
         self.scored_layers: list[str] = []
         self._hooked_layers: list[str] = []
         self._verbose = False
+        self._score_sink: scoring.ScoreSink | None = None  # set by top_k for one call
 
     # ------------------------------------------------------------------ task delegation
     def require_task(self, method: str) -> AttributionTask:
@@ -417,6 +420,7 @@ class BaseInnerProductAttributor(BaseAttributor):
             loop_over_test=loop_over_test,
             transform_test=transform_test,
             attribution_granularity=attribution_granularity,
+            sink=getattr(self, "_score_sink", None),
         )
 
     def build_score(
@@ -442,7 +446,7 @@ class BaseInnerProductAttributor(BaseAttributor):
             row_token_ids=row_token_ids,
             polarity=self.polarity,
         )
-        if self.args.should_log:
+        if self.args.should_log and getattr(self, "_score_sink", None) is None:
             score.save(self.args.output_dir)
         return score
 

@@ -4,9 +4,13 @@
 over two sources (iterables of ``(step, Gradient, ids)``) with caller-supplied
 transforms and inner products. Scores are float32 on CPU, ``(num_train_rows,
 num_test)``; columns are the distinct test identifiers in first-appearance
-order. :func:`score_pass` runs one pass for an attributor: its hooks
+order. :func:`stream_scores` is the same loop handing out one
+:class:`ScoredBatch` per train batch (which :func:`score_sources`
+concatenates and a running top-k ranks without the full matrix).
+:func:`score_pass` runs one pass for an attributor: its hooks
 (``prepare_scoring``, the transforms, the inner products, the progress bar)
-around the loop, with the checks of :mod:`dattri_llm.attribution.checks`.
+around the loop, with the checks of :mod:`dattri_llm.attribution.checks`;
+:func:`stream_pass` is that pass batch by batch.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -264,6 +268,79 @@ def score_sources(
             that is not ``reusable``; a scorer returning the wrong shape.
         KeyError: a later pass over the test source yields an id the first did not.
     """
+    test_ids, batches = stream_scores(
+        train_source,
+        test_source,
+        device,
+        inner_product=inner_product,
+        transform_train=transform_train,
+        transform_test=transform_test,
+        batch_size=batch_size,
+        loop_over_test=loop_over_test,
+        cache_budget=cache_budget,
+        granularity=granularity,
+        inner_product_per_token=inner_product_per_token,
+    )
+    matrices: list[torch.Tensor] = []
+    row_ids: list[str] = []
+    row_steps: list[int] = []
+    row_tokens: list[int] | None = [] if granularity == "token" else None
+    for batch in batches:
+        matrices.append(batch.scores)
+        row_ids.extend(batch.row_ids)
+        row_steps.extend(batch.row_steps)
+        if row_tokens is not None:
+            row_tokens.extend(batch.row_tokens or [])
+    num_test = len(test_ids)
+    matrix = torch.cat(matrices) if matrices else torch.zeros(0, num_test, dtype=torch.float32)
+    return matrix, row_ids, row_steps, test_ids, row_tokens
+
+
+class ScoreSink(Protocol):
+    """A consumer of the engine's batches in place of the dense matrix (``score_pass(sink=)``)."""
+
+    def start(self, test_ids: list[str]) -> None:
+        """Called once with the score columns before the first batch."""
+
+    def add(self, batch: ScoredBatch) -> None:
+        """Take one train batch's scores (the engine keeps no reference to it)."""
+
+
+class ScoredBatch(NamedTuple):
+    """One train batch's scores: ``(rows, num_test)`` CPU float32 and each row's identity.
+
+    ``row_tokens`` is ``None`` at instance granularity.
+    """
+
+    scores: torch.Tensor
+    row_ids: list[str]
+    row_steps: list[int]
+    row_tokens: list[int] | None
+
+
+def stream_scores(
+    train_source: Iterable[tuple[int, Gradient, list[str]]],
+    test_source: Iterable[tuple[int, Gradient, list[str]]],
+    device: torch.device | str,
+    *,
+    inner_product: Callable[..., torch.Tensor],
+    transform_train: Callable[[Gradient], Gradient] | None = None,
+    transform_test: Callable[[Gradient], Gradient] | None = None,
+    batch_size: int = 1,
+    loop_over_test: bool = False,
+    cache_budget: CacheBudget | None = None,
+    granularity: str = "instance",
+    inner_product_per_token: Callable[[Gradient, Gradient], torch.Tensor] | None = None,
+) -> tuple[list[str], Iterator[ScoredBatch]]:
+    """The loop of :func:`score_sources`, one :class:`ScoredBatch` per train batch.
+
+    The test source's first pass runs now (the columns are fixed and, unless
+    ``loop_over_test``, the test blocks held); the train source is read as the
+    returned iterator advances, each batch's scores released with it. Returns
+    ``(test_ids, batches)``. Arguments and errors as :func:`score_sources`,
+    which concatenates the batches; a consumer that keeps less (a running
+    top-k) never holds the full matrix.
+    """
     check_granularity(granularity, "granularity")
     token_level = granularity == "token"
     if token_level and inner_product_per_token is None:
@@ -284,30 +361,27 @@ def score_sources(
         inner_product=inner_product,
         inner_product_per_token=inner_product_per_token if token_level else None,
     )
-    matrices: list[torch.Tensor] = []
-    row_ids: list[str] = []
-    row_steps: list[int] = []
-    row_tokens: list[int] | None = [] if token_level else None
-    for steps, block, ids in rebatch_blocks(train_source, batch_size):
-        rep = transform_train(_to_device(block, device))
-        del block  # release the raw captures before the test blocks are scored
-        tokens = _token_count(rep) if token_level else 1
-        tests = (
-            _restreamed_tests(test_source, columns, device, transform_test)
-            if loop_over_test
-            else held
-        )
-        cache = TensorCache("memory", budget=budget) if use_cache else None
-        scores = _batch_scores(rep, tests, len(ids), tokens, num_test, cache, score_pair)
-        del rep  # release this batch before the train source produces the next one
-        matrices.append(scores)
-        for step, sample in zip(steps, ids):
-            row_ids.extend([str(sample)] * tokens)
-            row_steps.extend([int(step)] * tokens)
-            if row_tokens is not None:
-                row_tokens.extend(range(tokens))
-    matrix = torch.cat(matrices) if matrices else torch.zeros(0, num_test, dtype=torch.float32)
-    return matrix, row_ids, row_steps, list(columns.ids), row_tokens
+
+    def batches() -> Iterator[ScoredBatch]:
+        for steps, block, ids in rebatch_blocks(train_source, batch_size):
+            rep = transform_train(_to_device(block, device))
+            del block  # release the raw captures before the test blocks are scored
+            tokens = _token_count(rep) if token_level else 1
+            tests = (
+                _restreamed_tests(test_source, columns, device, transform_test)
+                if loop_over_test
+                else held
+            )
+            cache = TensorCache("memory", budget=budget) if use_cache else None
+            scores = _batch_scores(rep, tests, len(ids), tokens, num_test, cache, score_pair)
+            del rep  # release this batch before the train source produces the next one
+            row_ids = [str(sample) for sample in ids for _ in range(tokens)]
+            row_steps = [int(step) for step in steps for _ in range(tokens)]
+            row_tokens = list(range(tokens)) * len(ids) if token_level else None
+            yield ScoredBatch(scores, row_ids, row_steps, row_tokens)
+            del scores
+
+    return list(columns.ids), batches()
 
 
 # ---------------------------------------------------------------------------- an attributor's pass
@@ -319,6 +393,7 @@ def score_pass(
     loop_over_test: bool,
     transform_test: Callable[[Gradient], Gradient] | None,
     attribution_granularity: str,
+    sink: ScoreSink | None = None,
 ) -> ScoreResult:
     """One pass of :func:`score_sources` for ``attributor`` (``BaseInnerProductAttributor``).
 
@@ -330,15 +405,85 @@ def score_pass(
     wraps the sources and transforms; the layers both sides shared become the
     attributor's ``scored_layers``. (``attributor`` is typed ``Any``: this
     module does not import ``base``, which imports it.)
+
+    With a ``sink`` (e.g. a running top-k) each batch's :class:`ScoredBatch`
+    goes to ``sink.add`` (after ``sink.start(test_ids)``) and is then dropped;
+    the result is ``(zeros(0, num_test), [], [], test_ids, None)``.
     """
     check_granularity(attribution_granularity)
     if loop_over_test:
         _require_reusable(test_source)
+    if sink is None:
+        return _pass(
+            attributor,
+            train_source,
+            test_source,
+            loop_over_test,
+            transform_test,
+            attribution_granularity,
+            dense=True,
+        )
+    test_ids, batches = stream_pass(
+        attributor,
+        train_source,
+        test_source,
+        loop_over_test=loop_over_test,
+        transform_test=transform_test,
+        attribution_granularity=attribution_granularity,
+    )
+    sink.start(test_ids)
+    for batch in batches:
+        sink.add(batch)
+    return torch.zeros(0, len(test_ids)), [], [], test_ids, None
+
+
+def stream_pass(
+    attributor: Any,
+    train_source: GradientSource,
+    test_source: GradientSource,
+    *,
+    loop_over_test: bool,
+    transform_test: Callable[[Gradient], Gradient] | None,
+    attribution_granularity: str,
+) -> tuple[list[str], Iterator[ScoredBatch]]:
+    """:func:`score_pass` as ``(test_ids, batches)`` (:func:`stream_scores`).
+
+    The attributor's ``prepare_scoring`` and the test side's first pass run
+    now; the train source is read as ``batches`` advances, and its exhaustion
+    runs the end-of-pass checks (an empty training set, the layer audit) and
+    sets ``scored_layers``.
+    """
+    check_granularity(attribution_granularity)
+    if loop_over_test:
+        _require_reusable(test_source)
+    return _pass(
+        attributor,
+        train_source,
+        test_source,
+        loop_over_test,
+        transform_test,
+        attribution_granularity,
+        dense=False,
+    )
+
+
+def _pass(
+    attributor: Any,
+    train_source: GradientSource,
+    test_source: GradientSource,
+    loop_over_test: bool,
+    transform_test: Callable[[Gradient], Gradient] | None,
+    attribution_granularity: str,
+    *,
+    dense: bool,
+) -> Any:
+    """The pass of :func:`score_pass` (``dense``) or :func:`stream_pass`."""
     attributor.prepare_scoring(train_source, test_source)
     device = torch.device(attributor.args.device)
     checks = _ScoringChecks(train_source, test_source, device, hold_test=not loop_over_test)
     total = len(train_source) if hasattr(train_source, "__len__") else None
-    result = score_sources(
+    engine = functools.partial(
+        score_sources if dense else stream_scores,
         attributor.progress(
             _train_steps_transformed(attributor, checks.train_source(train_source)), total=total
         ),
@@ -352,8 +497,17 @@ def score_pass(
         granularity=attribution_granularity,
         inner_product_per_token=attributor.inner_product_per_token,
     )
-    attributor.scored_layers = checks.finish()
-    return result
+    if dense:
+        result = engine()
+        attributor.scored_layers = checks.finish()
+        return result
+    test_ids, batches = engine()
+
+    def checked() -> Iterator[ScoredBatch]:
+        yield from batches
+        attributor.scored_layers = checks.finish()
+
+    return test_ids, checked()
 
 
 def _train_steps_transformed(

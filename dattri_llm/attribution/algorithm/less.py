@@ -131,6 +131,7 @@ class LESSAttributor(BaseInnerProductAttributor):
     """
 
     algorithm: ClassVar[str] = "LESS"
+    streaming_top_k: ClassVar[bool] = False  # rows rescaled after the pass (build_score)
 
     def __init__(
         self,

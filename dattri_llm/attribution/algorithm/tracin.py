@@ -42,6 +42,7 @@ class TracInAttributor(BaseInnerProductAttributor):
     """
 
     algorithm: ClassVar[str] = "TracIn"
+    checkpoint_ensemble: ClassVar[bool] = True  # top_k_from_cache over per-checkpoint stores
 
     def __init__(self, args: AttributionArguments, *, task: object | None = None) -> None:
         super().__init__(args, task=task)

@@ -76,6 +76,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
     """
 
     algorithm: ClassVar[str] = "Trajectory"
+    streaming_top_k: ClassVar[bool] = False  # scores come from the sweep, not one pass
 
     def __init__(self, args: AttributionArguments, *, task: object | None = None) -> None:
         super().__init__(args, task=task)

@@ -378,6 +378,14 @@ def top_k_live(
     cannot rank exactly: ``NotImplementedError``.
     """
     _check_call(attributor, "top_k", attribution_kwargs)
+    if attributor.args.world_size > 1:
+        raise NotImplementedError(
+            f"top_k ranks one process's rows, and this run is sharded over "
+            f"{attributor.args.world_size} ranks (WORLD_SIZE), so each rank would rank only its "
+            "shard. Use attribute(...) (it gathers every rank's rows) and AttributionScore.top_k, "
+            "or cache() the stores and call top_k_from_cache on the store root, which every rank "
+            "reads whole"
+        )
     with warnings.catch_warnings():  # the attribute call itself warns about ignored ones
         warnings.simplefilter("ignore")
         checkpoints = list(attributor.checkpoints())
@@ -432,6 +440,7 @@ class TopKCalls:
             ValueError: ``k`` is not an ``int >= 1``; token granularity.
             NotImplementedError: several checkpoints (use
                 :meth:`top_k_from_cache` over the stores of ``cache()``); a
+                training set sharded over several ranks (``WORLD_SIZE > 1``); a
                 training id in more than one row; LESS or a trajectory method.
         """
         return top_k_live(

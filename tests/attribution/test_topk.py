@@ -332,3 +332,10 @@ def test_checkpoint_ensemble_sums_rows_exactly(tmp_path, normalized):
         shuffled.save_bulk(GradientStorageManager(trains[1]).load_records(location))
     with pytest.raises(ValueError, match="does not hold the same samples in the same order"):
         TracInAttributor(_args(tmp_path)).top_k_from_cache([trains[0], shuffled.save_dir], tests, 2)
+
+
+def test_live_top_k_refuses_a_sharded_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    attributor = TracInAttributor(AttributionArguments(output_dir=str(tmp_path), use_cpu=True))
+    with pytest.raises(NotImplementedError, match="sharded over 2 ranks"):
+        attributor.top_k([{"x": torch.zeros(2)}], 3, train_source=[{"x": torch.zeros(2)}])

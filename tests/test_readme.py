@@ -33,6 +33,7 @@ def test_readme_has_the_documented_snippets():
     sections = [section for section, _ in BLOCKS]
     assert any("Capture from your own loop" in s for s in sections), sections
     assert any("One call, live" in s for s in sections), sections
+    assert any("behind an output" in s for s in sections), sections
 
 
 @pytest.mark.parametrize(

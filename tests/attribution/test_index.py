@@ -11,8 +11,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from attribution_helpers import MLP, MLP_LAYERS, mlp_data, mlp_loss, write_store
+from attribution_helpers import MLP, MLP_LAYERS, append_store, mlp_data, mlp_loss, write_store
 
+from dattri_llm.attribution.algorithm.kronecker.ekfac import EKFACAttributor
+from dattri_llm.attribution.algorithm.kronecker.kfac import KFACAttributor
+from dattri_llm.attribution.algorithm.lorif import LoRIFAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.index import (
@@ -354,3 +357,25 @@ def test_index_of_chosen_steps_matches_the_scores_of_those_steps(stores, tmp_pat
         assert as_pairs(got, query) == want
     save_rows(stores["train"], 0, ["n0"], random_rows(1, 5))  # a step it does not index
     index.check()
+
+
+@faiss_needed
+@pytest.mark.parametrize("cls", [KFACAttributor, EKFACAttributor, LoRIFAttributor])
+def test_one_raw_index_serves_preconditioned_methods(tmp_path, cls):
+    """The fitted method's query transform in search() equals its top-k from the store."""
+    torch.manual_seed(0)
+    model, data = MLP(), mlp_data(12, 1)
+    low_rank = 1 if cls is LoRIFAttributor else None  # LoRIF scores rank-1 records
+    train = GradientStorageManager(tmp_path / "tr", low_rank=low_rank)
+    append_store(train, model, MLP_LAYERS, mlp_loss, data, batch_sizes=[4, 4, 4])
+    test = write_store(
+        tmp_path / "te", model, MLP_LAYERS, mlp_loss, mlp_data(3, 2), batch_sizes=[3]
+    )
+    index = AttributionIndex.build(train, save=False)
+    attributor = cls(AttributionArguments(output_dir=str(tmp_path / "out"), use_cpu=True))
+    want = attributor.attribute_from_cache(train.save_dir, test.save_dir).top_k(5)
+    got = index.search(test, 5, transform=attributor.transform_test_rep)
+    for query, pairs in want.items():
+        assert as_pairs(got, query) == pairs
+    raw = index.search(test, 5)  # without the preconditioner the answer differs
+    assert any(raw.as_dict()[q] != got.as_dict()[q] for q in want)

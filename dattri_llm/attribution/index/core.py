@@ -9,7 +9,9 @@ inner product. Which index serves which method:
 * Grad-Cos: ``normalize=True`` (both sides normalised per step);
 * K-FAC / EK-FAC / LoRIF (and any method whose score is ``<g_i, P q_j>``): the
   ``normalize=False`` index of the raw store, with ``transform=`` the method's
-  query-side preconditioner ``q → P q`` in :meth:`AttributionIndex.search`.
+  query-side preconditioner ``q → P q`` in :meth:`AttributionIndex.search` (a
+  fitted attributor's ``transform_test_rep``). LoRIF with ``rank=c`` scores a
+  low-rank store's records as stored: index that store.
 """
 
 from __future__ import annotations

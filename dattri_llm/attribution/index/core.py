@@ -399,18 +399,18 @@ class AttributionIndex:
 
         Only new samples can be added: a new record of a sample already indexed
         (at an indexed step) changes its vector, and raises `StaleIndexError`
-        asking for a rebuild. Call :meth:`save` to keep the result.
+        asking for a rebuild. An IVF index keeps its clusters (trained at the
+        build); rebuild it after the store has grown a lot. Call :meth:`save` to
+        keep the result.
         """
         state, added = self._changes()
         if not added:
             return 0
-        known = set(self._ids)
-        plan = [p for p in self.store.iter_steps(self.layout.steps) if p[0] in set(added)]
-        blocks = GroupBlockDataset.for_store(self.store, plan, self.settings["layer_name"])
-        new_ids: list[str] = []
-        for i in range(len(blocks)):
-            for _, _, ids in blocks[i]:
-                new_ids.extend(str(h) for h in ids)
+        known, fresh = set(self._ids), set(added)
+        plan = [p for p in self.store.iter_steps(self.layout.steps) if p[0] in fresh]
+        groups = GroupBlockDataset.for_store(self.store, plan, self.settings["layer_name"])
+        blocks = [block for i in range(len(groups)) for block in groups[i]]  # new groups only
+        new_ids = [str(h) for _, _, ids in blocks for h in ids]
         again = sorted({h for h in new_ids if h in known})
         if again:
             raise StaleIndexError(
@@ -419,8 +419,7 @@ class AttributionIndex:
                 "with AttributionIndex.build(store)."
             )
         new_ids = list(dict.fromkeys(new_ids))
-        group_blocks = (b for i in range(len(blocks)) for b in blocks[i])
-        matrix = fill_matrix(group_blocks, new_ids, self.layout, f"store {self.store.save_dir}")
+        matrix = fill_matrix(blocks, new_ids, self.layout, f"store {self.store.save_dir}")
         if self.normalize:
             normalize_parts(matrix, self.layout)
         self._index.add(matrix)

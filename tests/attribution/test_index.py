@@ -181,7 +181,7 @@ def test_query_preconditioning_goes_into_the_query_vector(stores):
         for s, n in ((0, 20), (1, 19))
     ]
     dense = (train[0] + train[1]) @ pq.numpy().T  # (20, 6)
-    for j in range(len(got.query_ids)):
+    for j in range(len(got.test_ids)):
         order = np.argsort(-dense[:, j], kind="stable")[:3]
         assert got.train_ids[j] == [stores["ids"][i] for i in order]
         np.testing.assert_allclose(got.scores[j], dense[order, j], rtol=1e-4, atol=1e-4)
@@ -202,7 +202,7 @@ def test_flat_index_over_factorized_records_matches_tracin(tmp_path):
 
 def _recall(got, exact, k):
     hits = [
-        len(set(ids) & {h for h, _ in exact[q]}) / k for q, ids in zip(got.query_ids, got.train_ids)
+        len(set(ids) & {h for h, _ in exact[q]}) / k for q, ids in zip(got.test_ids, got.train_ids)
     ]
     return sum(hits) / len(hits)
 

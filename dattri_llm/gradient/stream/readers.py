@@ -22,7 +22,7 @@ import torch.utils.data
 from tqdm.auto import tqdm
 
 from dattri_llm.gradient.model.container import Gradient, GradientRecord
-from dattri_llm.gradient.model.records import base_layer_name
+from dattri_llm.gradient.model.records import Factorized, base_layer_name
 from dattri_llm.gradient.stream.source import StreamBatch
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ __all__ = [
 StepPlan = list[tuple[str, dict[int, list[int]]]]
 
 _END = object()
+_PAGE_BYTES = 4096
 
 
 def resolve_steps(
@@ -219,11 +220,18 @@ class GroupBlockDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> list[StreamBatch]:
         """Blocks ``[(step, gradient, identifiers)]`` of group ``index``."""
-        location, step_idxs = self.plan[index]
-        blocks = group_blocks(self.load(location), step_idxs, self.layer_name, self.per_sample_only)
+        blocks = self.blocks(index, self.records(index))
         if torch.utils.data.get_worker_info() is not None:
             blocks = [(step, gradient.clone(), ids) for step, gradient, ids in blocks]
         return blocks
+
+    def records(self, index: int) -> list[GradientRecord]:
+        """The stored records of group ``index`` (memory-mapped views for a memmap group)."""
+        return self.load(self.plan[index][0])
+
+    def blocks(self, index: int, records: list[GradientRecord]) -> list[StreamBatch]:
+        """The blocks of group ``index`` built from its ``records`` (see `group_blocks`)."""
+        return group_blocks(records, self.plan[index][1], self.layer_name, self.per_sample_only)
 
 
 def _layer_list(layer_name: str | Sequence[str] | None) -> list[str] | None:
@@ -347,6 +355,68 @@ def _one_ahead(iterable: Iterable[Any]) -> Iterator[Any]:
                 return
             pending = pool.submit(next, iterator, _END)
             yield item
+            del item  # not held while the next item is awaited
+
+
+def _touch_pages(records: list[GradientRecord]) -> list[GradientRecord]:
+    """``records`` after reading one element per page of each payload tensor.
+
+    Memory-mapped parts are then read from disk on the calling thread; nothing
+    is copied.
+    """
+    for record in records:
+        for value in record.gradient.data.values():
+            if isinstance(value, Factorized):
+                parts = (value.activation, value.pre_activation_grad)
+            else:
+                parts = (value,) if isinstance(value, torch.Tensor) else ()
+            for tensor in parts:
+                if tensor.is_contiguous() and tensor.numel():
+                    stride = max(1, _PAGE_BYTES // tensor.element_size())
+                    tensor.reshape(-1)[::stride].sum()
+    return records
+
+
+def _prefetched_groups(dataset: GroupBlockDataset) -> Iterator[list[StreamBatch]]:
+    """The groups of ``dataset`` in order, the next group's records read on a background thread.
+
+    The background thread only maps the next group's file and reads its pages;
+    the blocks (concatenated copies) are built on the consuming thread, so their
+    memory is allocated and freed by one thread and reused from block to block
+    instead of accumulating in a second allocator arena.
+    """
+
+    def read(index: int) -> list[GradientRecord]:
+        return _touch_pages(dataset.records(index))
+
+    count = len(dataset)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dattri-llm-prefetch") as pool:
+        pending = pool.submit(read, 0) if count else None
+        for index in range(count):
+            records = pending.result()
+            pending = pool.submit(read, index + 1) if index + 1 < count else None
+            blocks = dataset.blocks(index, records)
+            del records  # the blocks alone keep what they view
+            yield blocks
+            del blocks
+
+
+def _released_blocks(groups: Iterable[list[StreamBatch]]) -> Iterator[StreamBatch]:
+    """The blocks of each group in order, each dropped from its group when yielded.
+
+    Neither a yielded block nor a finished group stays referenced here while
+    the consumer scores the next block or the next group is awaited, so a
+    scored block's tensors (and a group's memory-mapped file) are released as
+    soon as the consumer drops them.
+    """
+    for group in groups:
+        pending = group if isinstance(group, list) else list(group)
+        del group
+        pending.reverse()  # emptied in place (a producer may still hold the list)
+        while pending:
+            block = pending.pop()
+            yield block
+            del block
 
 
 class DiskGradientSource:
@@ -358,9 +428,13 @@ class DiskGradientSource:
     ``name@k`` virtual layers; ``param_grad`` layers are dropped with a
     `UserWarning`. ``"disk"`` stores are read through a `DataLoader` set up as
     in `make_gradient_multistep_dataloader` (``args.dataloader_num_workers``
-    workers, pin-memory / persistent / prefetch settings; with 0 workers the
-    next group is prefetched on a background thread); RAM stores are read
-    in-process.
+    workers, pin-memory / persistent / prefetch settings); with 0 workers and
+    no pinned memory, a background thread maps the next group's file and
+    reads its pages while the blocks are built on the iterating thread. RAM
+    stores are read in-process. A yielded block is referenced by nothing here
+    once the iteration moves on: reading holds the block being consumed, the
+    rest of its group and the next group's records, not the blocks already
+    yielded.
 
     Args:
         file_manager: the store.
@@ -462,7 +536,7 @@ class DiskGradientSource:
 
     def __iter__(self) -> Iterator[StreamBatch]:
         """Blocks in store order; each group is read once."""
-        blocks = (block for group in self._groups() for block in group)
+        blocks = _released_blocks(self._groups())
         if self._desc is not None and self._verbose and getattr(self._args, "should_log", True):
             blocks = tqdm(blocks, total=self._num_blocks, desc=self._desc)
         return iter(blocks)
@@ -472,4 +546,6 @@ class DiskGradientSource:
         if self._file_manager.residency != "disk":
             return (dataset[i] for i in range(len(dataset)))
         loader = _store_loader(dataset, self._file_manager, self._args)
-        return iter(loader) if loader.num_workers > 0 else _one_ahead(loader)
+        if loader.num_workers > 0 or loader.pin_memory:
+            return iter(loader) if loader.num_workers > 0 else _one_ahead(loader)
+        return _prefetched_groups(dataset)

@@ -291,9 +291,29 @@ def score_sources(
         row_steps.extend(batch.row_steps)
         if row_tokens is not None:
             row_tokens.extend(batch.row_tokens or [])
-    num_test = len(test_ids)
-    matrix = torch.cat(matrices) if matrices else torch.zeros(0, num_test, dtype=torch.float32)
-    return matrix, row_ids, row_steps, test_ids, row_tokens
+    return _stacked(matrices, len(test_ids)), row_ids, row_steps, test_ids, row_tokens
+
+
+def _stacked(matrices: list[torch.Tensor], num_test: int) -> torch.Tensor:
+    """The batches' ``(rows, num_test)`` scores as one matrix, each batch freed once copied.
+
+    Equal to ``torch.cat(matrices)``, but the pages of the result are touched
+    as the batches are released, so the peak is about one matrix plus one
+    batch rather than two matrices. ``matrices`` is emptied.
+    """
+    if not matrices:
+        return torch.zeros(0, num_test, dtype=torch.float32)
+    dtype = functools.reduce(torch.promote_types, (m.dtype for m in matrices))
+    rows_total = sum(m.shape[0] for m in matrices)
+    out = torch.empty(rows_total, num_test, dtype=dtype, device=matrices[0].device)
+    offset = 0
+    for i in range(len(matrices)):
+        rows = matrices[i].shape[0]
+        out[offset : offset + rows] = matrices[i]
+        matrices[i] = None  # type: ignore[call-overload]
+        offset += rows
+    matrices.clear()
+    return out
 
 
 class ScoreSink(Protocol):

@@ -631,3 +631,18 @@ def test_collect_async_reraises_a_write_error():
         collect_gradients(streamer, Store(fail=True))
     assert streamer.exited == 1
     assert "dattri-llm-gradient-writer" not in [t.name for t in threading.enumerate()]
+
+
+def test_stacked_batches_equal_their_concatenation_and_are_released():
+    import weakref
+
+    from dattri_llm.attribution.scoring import _stacked
+
+    batches = [torch.randn(3, 4), torch.randn(5, 4, dtype=torch.float64), torch.randn(0, 4)]
+    expected = torch.cat(batches)
+    refs = [weakref.ref(b) for b in batches]
+    out = _stacked(batches, 4)
+    assert batches == []
+    assert out.dtype == expected.dtype and torch.equal(out, expected)
+    assert all(ref() is None for ref in refs)
+    assert _stacked([], 4).shape == (0, 4)

@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--group", type=int, default=8192, help="records per stored group")
     parser.add_argument("--batch", type=int, default=8192, help="records per scored block")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--nlist", type=int, default=None, help="IVF lists (default: 4·√n)")
+    parser.add_argument(
+        "--nlist", type=int, default=1024, help="IVF lists (trained on 256 per list)"
+    )
     parser.add_argument("--nprobe", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument(
         "--hnsw-n",
@@ -282,7 +284,7 @@ def _measure_all(args: argparse.Namespace, work: Path, begin: float) -> Path:
                 "bytes": None,
             },
         )
-    nlist = args.nlist or int(4 * args.n**0.5)
+    nlist = min(args.nlist, args.n)
     indexes = [
         ("flat", {}, [{}], args.n),
         ("ivf", {"nlist": nlist}, [{"nprobe": p} for p in args.nprobe], args.n),

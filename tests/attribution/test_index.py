@@ -19,7 +19,6 @@ from dattri_llm.attribution.algorithm.lorif import LoRIFAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.index import (
-    FAISS_FILE,
     INDEX_DIR,
     SIDECAR_FILE,
     AttributionIndex,
@@ -308,14 +307,19 @@ def test_crafted_or_truncated_index_files_execute_nothing(stores, tmp_path):
 
     crafted = pickle.dumps(Payload())
     sidecar = json.loads((directory / SIDECAR_FILE).read_text())
-    original = (directory / FAISS_FILE).read_bytes()
+    index_file = directory / sidecar["index_file"]["name"]
+    original = index_file.read_bytes()
     # truncated: refused against the sidecar before FAISS reads it
-    (directory / FAISS_FILE).write_bytes(original[: len(original) // 2])
+    index_file.write_bytes(original[: len(original) // 2])
     with pytest.raises(ValueError, match="truncated or was replaced"):
         AttributionIndex.load(stores["train"].save_dir)
     # crafted, with a sidecar that vouches for it: FAISS refuses to parse it
-    (directory / FAISS_FILE).write_bytes(crafted)
-    sidecar["index_file"] = {"bytes": len(crafted), "sha256": hashlib.sha256(crafted).hexdigest()}
+    index_file.write_bytes(crafted)
+    sidecar["index_file"] = {
+        "name": index_file.name,
+        "bytes": len(crafted),
+        "sha256": hashlib.sha256(crafted).hexdigest(),
+    }
     (directory / SIDECAR_FILE).write_text(json.dumps(sidecar))
     with pytest.raises(ValueError, match="does not hold a readable attribution index"):
         AttributionIndex.load(stores["train"].save_dir)
@@ -379,3 +383,33 @@ def test_one_raw_index_serves_preconditioned_methods(tmp_path, cls):
         assert as_pairs(got, query) == pairs
     raw = index.search(test, 5)  # without the preconditioner the answer differs
     assert any(raw.as_dict()[q] != got.as_dict()[q] for q in want)
+
+
+@faiss_needed
+def test_a_save_killed_before_its_sidecar_leaves_the_previous_index_loadable(stores, monkeypatch):
+    from dattri_llm.attribution.index import files
+
+    index = AttributionIndex.build(stores["train"])
+    before_ids = AttributionIndex.load(stores["train"].save_dir).ids
+    save_rows(stores["train"], 0, ["n0"], random_rows(1, 11))
+    save_rows(stores["train"], 1, ["n0"], random_rows(1, 12))
+    real = files.atomic_write
+
+    def killed_at_sidecar(path, write):
+        if path.name == SIDECAR_FILE:
+            raise KeyboardInterrupt("killed")
+        return real(path, write)
+
+    assert index.update() == 1
+    monkeypatch.setattr(files, "atomic_write", killed_at_sidecar)
+    with pytest.raises(KeyboardInterrupt):
+        index.save()  # killed between the new index file and its sidecar
+    monkeypatch.setattr(files, "atomic_write", real)
+    directory = stores["train"].save_dir / "attribution_index"
+    assert len(list(directory.glob("index-*.faiss"))) == 2  # the new file, written in full
+    with pytest.raises(StaleIndexError, match="update"):  # the old pair, intact and checked
+        AttributionIndex.load(stores["train"].save_dir)
+    old = AttributionIndex.load(stores["train"].save_dir, update=True)
+    assert len(old) == len(before_ids) + 1 and len(list(directory.glob("index-*.faiss"))) == 1
+    assert AttributionIndex.load(stores["train"].save_dir).ids == old.ids
+    assert old.ids[-1] == "n0" and "n0" not in before_ids

@@ -15,11 +15,10 @@ from dattri_llm.attribution.index.core import (
     IndexTopK,
     StaleIndexError,
 )
-from dattri_llm.attribution.index.files import FAISS_FILE, INDEX_DIR, SIDECAR_FILE
+from dattri_llm.attribution.index.files import INDEX_DIR, SIDECAR_FILE
 from dattri_llm.attribution.index.vectors import VectorLayout
 
 __all__ = [
-    "FAISS_FILE",
     "INDEX_DIR",
     "INDEX_KINDS",
     "SIDECAR_FILE",

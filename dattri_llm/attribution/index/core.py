@@ -280,7 +280,7 @@ class AttributionIndex:
 
     # ----------------------------------------------------------------- persistence
     def save(self, path: str | Path | None = None) -> Path:
-        """Write ``index.faiss`` and ``index.json`` into ``path`` (default: where it was built)."""
+        """Write the index file and ``index.json`` into ``path`` (default: where it was built)."""
         directory = Path(path).expanduser() if path is not None else self.directory
         if directory is None:
             if self.store is None:

@@ -2,15 +2,18 @@
 
 Two files in the index directory (by default ``<store>/attribution_index/``):
 
-* ``index.faiss``: the FAISS index as FAISS writes it (``faiss.serialize_index``), plain
-  data that FAISS parses without running code;
+* ``index-<digest>.faiss``: the FAISS index as FAISS writes it
+  (``faiss.serialize_index``), plain data that FAISS parses without running code,
+  named by the first 16 hex digits of its SHA-256;
 * ``index.json``: the sidecar, JSON only: the format version, the kind and its settings,
-  ``normalize``, the vector layout, the training ids in index order, the size and
-  SHA-256 of ``index.faiss``, and the store state (:func:`store_state`).
+  ``normalize``, the vector layout, the training ids in index order, the name, size and
+  SHA-256 of the index file, and the store state (:func:`store_state`).
 
-Each is written crash-safely (temporary file, fsync, rename), the FAISS file first: a
-sidecar always describes a complete index file, and a load whose index file does not
-match the sidecar's size and digest (truncated, replaced) is refused before FAISS reads it.
+Each is written crash-safely (temporary file, fsync, rename): the new index file under
+its own name first, then the sidecar that points at it, then older index files are
+removed. A run killed at any point leaves a sidecar and the complete index file it
+names (the old pair or the new one). A load whose index file does not match the
+sidecar's size and digest (truncated, replaced) is refused before FAISS reads it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.atomic import atomic_write
 
 INDEX_DIR = "attribution_index"
-FAISS_FILE = "index.faiss"
+FAISS_SUFFIX = ".faiss"
 SIDECAR_FILE = "index.json"
 FORMAT = 1
 EXTRA_HINT = 'pip install "dattri_llm[index]"'
@@ -82,17 +85,24 @@ def default_directory(store: GradientStorageManager) -> Path:
     return store.save_dir / INDEX_DIR
 
 
+def index_file_name(digest: str) -> str:
+    """``index-<first 16 hex digits of the SHA-256>.faiss``."""
+    return f"index-{digest[:16]}{FAISS_SUFFIX}"
+
+
 def write_index_files(directory: Path, index_bytes: bytes, sidecar: dict[str, Any]) -> Path:
-    """Write ``index.faiss`` then ``index.json`` (with the index file's size and digest)."""
+    """Write the index file, then ``index.json`` pointing at it; remove older index files."""
     directory.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(index_bytes).hexdigest()
+    name = index_file_name(digest)
     sidecar = dict(sidecar)
-    sidecar["index_file"] = {
-        "bytes": len(index_bytes),
-        "sha256": hashlib.sha256(index_bytes).hexdigest(),
-    }
+    sidecar["index_file"] = {"name": name, "bytes": len(index_bytes), "sha256": digest}
     text = json.dumps(sidecar, separators=(",", ":")).encode("utf-8")
-    atomic_write(directory / FAISS_FILE, lambda fh: fh.write(index_bytes))
+    atomic_write(directory / name, lambda fh: fh.write(index_bytes))
     atomic_write(directory / SIDECAR_FILE, lambda fh: fh.write(text))
+    for old in directory.glob(f"index-*{FAISS_SUFFIX}"):
+        if old.name != name:
+            old.unlink(missing_ok=True)
     return directory
 
 
@@ -104,24 +114,31 @@ def read_index_files(directory: Path) -> tuple[bytes, dict[str, Any]]:
         ValueError: the sidecar is not this format's JSON, or the index file's size or
             digest differs from the sidecar's (a truncated or replaced file).
     """
-    paths = [directory / SIDECAR_FILE, directory / FAISS_FILE]
-    for path in paths:
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{path} not found; build the index with AttributionIndex.build(store) first."
-            )
+    sidecar_path = directory / SIDECAR_FILE
+    if not sidecar_path.is_file():
+        raise FileNotFoundError(
+            f"{sidecar_path} not found; build the index with AttributionIndex.build(store) first."
+        )
     try:
-        sidecar = json.loads(paths[0].read_text(encoding="utf-8"))
+        sidecar = json.loads(sidecar_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{paths[0]} is not valid JSON ({err}); rebuild the index.") from err
+        raise ValueError(f"{sidecar_path} is not valid JSON ({err}); rebuild the index.") from err
     if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT:
         found = sidecar.get("format") if isinstance(sidecar, dict) else type(sidecar).__name__
         raise ValueError(
-            f"{paths[0]} is not an attribution index sidecar of format {FORMAT} (found "
+            f"{sidecar_path} is not an attribution index sidecar of format {FORMAT} (found "
             f"{found!r}); rebuild the index."
         )
+    expected = sidecar.get("index_file") if isinstance(sidecar.get("index_file"), dict) else {}
+    name = expected.get("name")
+    if not isinstance(name, str) or Path(name).name != name or not name.endswith(FAISS_SUFFIX):
+        raise ValueError(f"{sidecar_path} names no index file in {directory}; rebuild the index.")
+    paths = [sidecar_path, directory / name]
+    if not paths[1].is_file():
+        raise FileNotFoundError(
+            f"{paths[1]} (named by {sidecar_path}) not found; rebuild the index."
+        )
     data = paths[1].read_bytes()
-    expected = sidecar.get("index_file") or {}
     if len(data) != expected.get("bytes") or hashlib.sha256(data).hexdigest() != expected.get(
         "sha256"
     ):

@@ -228,6 +228,11 @@ class GradientStorageManager:
         self._ranks.check_complete()
         return self._index.occurrences
 
+    @property
+    def revision(self) -> int:
+        """A counter that changes whenever :attr:`index` changes (cheap to compare)."""
+        return self._index.revision
+
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Release RAM-held groups and remove a tiered spill directory (idempotent).

@@ -413,3 +413,21 @@ def test_a_save_killed_before_its_sidecar_leaves_the_previous_index_loadable(sto
     assert len(old) == len(before_ids) + 1 and len(list(directory.glob("index-*.faiss"))) == 1
     assert AttributionIndex.load(stores["train"].save_dir).ids == old.ids
     assert old.ids[-1] == "n0" and "n0" not in before_ids
+
+
+@faiss_needed
+def test_searches_hash_the_store_state_again_only_after_the_store_changed(stores, monkeypatch):
+    from dattri_llm.attribution.index import core
+
+    index = AttributionIndex.build(stores["train"], save=False)
+    calls = []
+    real = core.store_state
+    monkeypatch.setattr(core, "store_state", lambda *a: calls.append(1) or real(*a))
+    for _ in range(3):
+        index.search(stores["test"], 3)
+    assert len(calls) == 1
+    save_rows(stores["train"], 0, ["n0"], random_rows(1, 13))
+    save_rows(stores["train"], 1, ["n0"], random_rows(1, 14))
+    with pytest.raises(StaleIndexError, match="update"):
+        index.search(stores["test"], 3)
+    assert len(calls) == 2

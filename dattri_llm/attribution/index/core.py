@@ -113,6 +113,9 @@ class AttributionIndex:
         self.state = dict(state)
         self.store = store
         self.directory = directory
+        # the attached store's state, cached by (store, revision): searches skip re-hashing it
+        self._state_of: tuple[GradientStorageManager | None, int] = (None, -1)
+        self._current_state: dict[str, Any] = {}
         self._apply_search_settings()
 
     # ----------------------------------------------------------------- properties
@@ -351,6 +354,14 @@ class AttributionIndex:
         return loaded
 
     # ----------------------------------------------------------------- staleness
+    def _store_state(self) -> dict[str, Any]:
+        """:func:`store_state` of the attached store, recomputed only after the store changed."""
+        cached_for, revision = self._state_of
+        if cached_for is not self.store or revision != self.store.revision:
+            self._current_state = store_state(self.store, self.layout.steps)
+            self._state_of = (self.store, self.store.revision)
+        return self._current_state
+
     def _changes(self) -> tuple[dict[str, Any], list[str]]:
         """The store's current state and the groups added since the build.
 
@@ -358,7 +369,7 @@ class AttributionIndex:
         """
         if self.store is None:
             raise ValueError("this AttributionIndex is not attached to a store")
-        state = store_state(self.store, self.layout.steps)
+        state = self._store_state()
         rebuild = "rebuild it with AttributionIndex.build(store)"
         new_steps = sorted(set(state["store_steps"]) - set(self.state["store_steps"]))
         if self.settings["all_steps"] and new_steps:

@@ -191,15 +191,18 @@ class StoreIndex:
     Indexing a group drops the earlier occurrences of its (step, identifier)
     pairs; a group left without an indexed row is forgotten, and ``on_forget``
     (when set) is called with its location so that its residency releases it.
+    ``revision`` counts the changes: equal revisions mean an unchanged index.
     """
 
     def __init__(self) -> None:
         self.occurrences: dict[str, list[dict[str, Any]]] = {}
         self.groups: dict[str, _GroupInfo] = {}
         self.on_forget: Callable[[str], None] | None = None
+        self.revision = 0
 
     def add_group(self, location: str, described: list[tuple[int, list[str]]]) -> None:
         """Index a group; its (step, identifier) pairs replace earlier occurrences."""
+        self.revision += 1
         if location in self.groups:  # the same handle written again (save of the same pair)
             self.forget_group(location)
         for step, identifiers in described:
@@ -236,6 +239,7 @@ class StoreIndex:
 
     def forget_group(self, location: str) -> None:
         """Remove a group from the bookkeeping (and its entries from the index)."""
+        self.revision += 1
         info = self.groups.pop(location)
         for idx, identifiers in enumerate(info.identifiers):
             for sample_idx in info.live[idx]:
@@ -257,6 +261,7 @@ class StoreIndex:
         info = self.groups.pop(old, None)
         if info is None:  # a new group that went straight to disk: indexed by the caller
             return
+        self.revision += 1
         self.groups[new] = info
         for identifier in {i for ids in info.identifiers for i in ids}:
             for entry in self.occurrences.get(identifier, []):

@@ -7,7 +7,9 @@ drops them: peak memory is one batch plus ``k·M`` (and 8 bytes per training
 row for the repeated-id check). The order is exactly that of
 :meth:`AttributionScore.top_k` on the full matrix: keys ``-sign · score``
 (``sign = polarity``, negated for opponents) sorted ascending and stably, so
-ties keep training-row order and NaN ranks last.
+ties keep training-row order and NaN ranks last. A trajectory method's sweep
+emits one row per (sample, step); :class:`SampleSums` adds a sample's rows
+before the top-k ranks it.
 
 :func:`top_k_live` and :func:`top_k_stores` run an attributor's own
 ``attribute`` / ``attribute_from_cache`` (its options, fits and keyword
@@ -30,7 +32,15 @@ from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.scoring import ScoredBatch, stream_pass
 from dattri_llm.attribution.sources import _require_records, normalize_layer_names
 
-__all__ = ["RunningTopK", "TopK", "TopKCalls", "check_k", "top_k_live", "top_k_stores"]
+__all__ = [
+    "RunningTopK",
+    "SampleSums",
+    "TopK",
+    "TopKCalls",
+    "check_k",
+    "top_k_live",
+    "top_k_stores",
+]
 
 
 @dataclass(frozen=True)
@@ -112,8 +122,13 @@ class RunningTopK:
         self._rows = torch.zeros(0, num_test, dtype=torch.long)
         self._ids, self._hashes, self._num_rows = {}, [], 0
 
-    def add(self, batch: ScoredBatch) -> None:
-        """Merge one train batch's ``(rows, M)`` scores into the running top-k."""
+    def add(self, batch: ScoredBatch, positions: torch.Tensor | None = None) -> None:
+        """Merge one train batch's ``(rows, M)`` scores into the running top-k.
+
+        ``positions`` (``(rows,)`` int64, distinct over the pass): each row's
+        place in the training order when rows arrive out of it (summed samples
+        released as they complete); ``None``: rows follow the earlier ones.
+        """
         if batch.row_tokens is not None:
             raise NotImplementedError(
                 "streaming top-k ranks training samples (attribution_granularity='instance'); "
@@ -123,14 +138,20 @@ class RunningTopK:
         count, num_test = batch.scores.shape
         if count == 0:
             return
-        first = self._num_rows
+        if positions is None:
+            positions = torch.arange(self._num_rows, self._num_rows + count)
         self._num_rows += count
         self._hashes.append(torch.tensor([hash(h) for h in batch.row_ids], dtype=torch.int64))
-        self._ids.update(zip(range(first, first + count), batch.row_ids))
+        self._ids.update(zip(positions.tolist(), batch.row_ids))
         # "+ 0.0" as AttributionScore.agnostic_matrix's sum into zeros: -0.0 becomes 0.0
         values = torch.cat([self._values, batch.scores.to(torch.float64) + 0.0])
-        rows = torch.arange(first, first + count).unsqueeze(1).expand(count, num_test)
-        rows = torch.cat([self._rows, rows])
+        rows = torch.cat([self._rows, positions.unsqueeze(1).expand(count, num_test)])
+        out_of_order = bool((positions[1:] < positions[:-1]).any()) or (
+            self._rows.numel() > 0 and int(positions.min()) < int(self._rows.max())
+        )
+        if out_of_order:  # order by position first, so the stable sort below keeps it in ties
+            by_row = torch.sort(rows, dim=0, stable=True).indices
+            values, rows = values.gather(0, by_row), rows.gather(0, by_row)
         order = torch.sort(-self.sign * values + 0.0, dim=0, stable=True).indices[: self.k]
         self._values = values.gather(0, order)
         self._rows = rows.gather(0, order)
@@ -165,6 +186,73 @@ class RunningTopK:
             algorithm_meta=dict(score.algorithm_meta) if score is not None else {},
             layer_name=score.layer_name if score is not None else None,
         )
+
+
+class SampleSums:
+    """Sums each training id's rows (one per step) before a :class:`RunningTopK` ranks it.
+
+    A trajectory method scores a sample once per step that holds it, and its
+    full score (:meth:`AttributionScore.top_k`) ranks the sum of those rows.
+    Each id's sum is built in float32 in arrival order (as
+    ``agnostic_matrix`` adds its rows into zeros) and handed to the top-k when
+    its last row has arrived, ranked at its first row's place (ties keep the
+    full score's order). ``remaining`` (``{id: rows to come}``, from the
+    store's index) says when that is; an id missing from it, or ``remaining``
+    ``None`` (a replayed run, whose rows are known only as they are
+    recomputed), is held until :meth:`finish`. Memory: one ``(M,)`` sum per
+    id seen but not complete (none when every sample is in one step).
+    """
+
+    def __init__(self, sink: RunningTopK, remaining: dict[str, int] | None) -> None:
+        self.sink = sink
+        self.remaining = None if remaining is None else dict(remaining)
+        self.test_ids: list[str] | None = None
+        self._open: dict[str, tuple[int, torch.Tensor]] = {}
+        self._next = 0
+
+    def start(self, test_ids: list[str]) -> None:
+        """Fix the columns (later calls, one per scoring pass, must name the same ones)."""
+        if self.test_ids is None:
+            self.test_ids = list(test_ids)
+            self.sink.start(self.test_ids)
+        elif list(test_ids) != self.test_ids:
+            raise RuntimeError("the passes of one top-k call scored different queries")
+
+    def add(self, batch: ScoredBatch) -> None:
+        """Add one batch's rows to their samples' sums; rank the samples now complete."""
+        if batch.row_tokens is not None:
+            self.sink.add(batch)  # refuses token rows
+        done: list[tuple[int, str, torch.Tensor]] = []
+        for row, sample in enumerate(batch.row_ids):
+            left = None if self.remaining is None else self.remaining.get(sample)
+            position, total = self._open.pop(sample, (None, None))
+            if position is None:
+                position, self._next = self._next, self._next + 1
+                total = torch.zeros(batch.scores.shape[1], dtype=torch.float32)
+            total += batch.scores[row]
+            if left is not None:
+                left -= 1
+                self.remaining[sample] = left
+            if left is not None and left <= 0:
+                done.append((position, sample, total))
+            else:
+                self._open[sample] = (position, total)
+        self._release(done)
+
+    def finish(self) -> None:
+        """Rank every sample still held (the pass is over, so each is complete)."""
+        held = [(position, sample, total) for sample, (position, total) in self._open.items()]
+        self._open = {}
+        self._release(held)
+
+    def _release(self, done: list[tuple[int, str, torch.Tensor]]) -> None:
+        """Hand complete samples to the top-k at their first rows' places."""
+        if not done:
+            return
+        positions = torch.tensor([position for position, _, _ in done], dtype=torch.long)
+        scores = torch.stack([total for _, _, total in done])
+        ids = [sample for _, sample, _ in done]
+        self.sink.add(ScoredBatch(scores, ids, [0] * len(ids), None), positions)
 
 
 class _CheckpointSum:
@@ -409,9 +497,9 @@ def top_k_live(
 class TopKCalls:
     """The streaming top-k entry points of ``BaseInnerProductAttributor`` (a mixin).
 
-    ``streaming_top_k``: whether the method's score is one pass of inner
-    products over the training rows (``False`` for LESS and the trajectory
-    methods, which refuse). ``checkpoint_ensemble``: whether a sample's rows
+    ``streaming_top_k``: whether the method's score can be ranked as its rows
+    stream past (``False`` for LESS, which refuses; the trajectory methods
+    rank over their sweep). ``checkpoint_ensemble``: whether a sample's rows
     over several checkpoints sum (TracIn), so ``top_k_from_cache`` takes lists
     of per-checkpoint stores.
     """
@@ -441,7 +529,7 @@ class TopKCalls:
             NotImplementedError: several checkpoints (use
                 :meth:`top_k_from_cache` over the stores of ``cache()``); a
                 training set sharded over several ranks (``WORLD_SIZE > 1``); a
-                training id in more than one row; LESS or a trajectory method.
+                training id in more than one row (not a trajectory method); LESS.
         """
         return top_k_live(
             self,
@@ -477,7 +565,8 @@ class TopKCalls:
                 empty training or test store; checkpoint stores that differ in
                 samples, order or blocks.
             NotImplementedError: a training id in more than one row (several
-                steps of one store); LESS or a trajectory method.
+                steps of one store; the trajectory methods sum them); LESS;
+                ``loop_over_test`` for a trajectory method.
         """
         return top_k_stores(
             self,

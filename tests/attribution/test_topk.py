@@ -9,9 +9,9 @@ from attribution_helpers import MLP, MLP_LAYERS, mlp_data, mlp_loss, write_store
 import dattri_llm.attribution.runs as runs
 import dattri_llm.attribution.scoring as scoring
 from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
+from dattri_llm.attribution.algorithm.less import LESSAttributor
 from dattri_llm.attribution.algorithm.lorif import LoRIFAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
-from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.scoring import ScoredBatch
@@ -222,8 +222,8 @@ def test_empty_store_repeated_ids_and_refusals(stores, tmp_path):
         TracInAttributor(_args(tmp_path)).top_k_from_cache(
             stores["tr"], stores["te"], 2, normalised_grad=True
         )
-    with pytest.raises(NotImplementedError, match="TrajectoryTracInAttributor.top_k_from_cache"):
-        TrajectoryTracInAttributor(_args(tmp_path)).top_k_from_cache(stores["tr"], stores["te"], 2)
+    with pytest.raises(NotImplementedError, match="LESSAttributor.top_k_from_cache"):
+        LESSAttributor(_args(tmp_path)).top_k_from_cache(stores["tr"], stores["te"], 2)
     # the same samples at two steps: the full ranking sums them, a row stream cannot
     rows = torch.arange(12.0).reshape(4, 3)
     ids = ["a", "b", "c", "d"]

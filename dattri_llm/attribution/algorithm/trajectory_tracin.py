@@ -168,17 +168,21 @@ class TrajectoryTracInAttributor(TrajectoryAttributor):
         """Grad-Dot of the emitted steps with each step's rows scaled by its weight."""
         layers = normalize_layer_names(layer_name)
         steps = sorted(set(scope.swept_steps) & set(scope.output_steps))
-        source = self.open_train_source(
-            train_source, steps=steps, layer_name=layers, hook_config=hook_config
-        )
         self._step_weights = weights
-        try:
-            test = self.load_test_rep(test_store, layer_name=layers)
-            scores, row_ids, row_steps, test_ids, _ = self.score_sources(
-                source, test, loop_over_test=loop_over_test
-            )
-        finally:
-            self.close_source(source)
+        with self.summed_rows(train_source, scope) as summed:
+            # a top-k pass reads the steps latest first, the order of the score's rows
+            passes = [steps] if summed is None else [[step] for step in reversed(steps)]
+            for pass_steps in passes:
+                source = self.open_train_source(
+                    train_source, steps=pass_steps, layer_name=layers, hook_config=hook_config
+                )
+                try:
+                    test = self.load_test_rep(test_store, layer_name=layers)
+                    scores, row_ids, row_steps, test_ids, _ = self.score_sources(
+                        source, test, loop_over_test=loop_over_test
+                    )
+                finally:
+                    self.close_source(source)
         order = sorted(range(len(row_steps)), key=lambda row: -row_steps[row])  # latest first
         result = SweepResult(
             scores[order],

@@ -18,7 +18,8 @@ in :mod:`.recording`, what a scoring call sweeps (:class:`RunScope`,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -48,6 +49,7 @@ from dattri_llm.attribution.sources import (
     normalize_layer_names,
     resolve_store,
 )
+from dattri_llm.attribution.topk import SampleSums
 from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.gradient.stream.readers import DiskGradientSource
@@ -76,7 +78,7 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
     """
 
     algorithm: ClassVar[str] = "Trajectory"
-    streaming_top_k: ClassVar[bool] = False  # scores come from the sweep, not one pass
+    streaming_top_k: ClassVar[bool] = True  # over the sweep, each sample's steps summed
 
     def __init__(self, args: AttributionArguments, *, task: object | None = None) -> None:
         super().__init__(args, task=task)
@@ -345,6 +347,11 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         """
         self.validate_propagation(propagation, loop_over_test)
         layers = normalize_layer_names(layer_name)
+        if self._score_sink is not None and loop_over_test:
+            raise NotImplementedError(
+                f"{self.algorithm} top-k sweeps every query at once: drop loop_over_test=True "
+                "(or use attribute_from_cache(..., loop_over_test=True).top_k(k))"
+            )
         sweep = TrajectorySweep(
             fold,
             scope.run,
@@ -355,39 +362,83 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
             groups=groups,
             progress=self._progress(verbose),
         )
-        source = self.open_train_source(
-            train_source, steps=scope.swept_steps, layer_name=layers, hook_config=hook_config
-        )
-        emitted = set(scope.output_steps)
+        with self.summed_rows(train_source, scope) as summed:
+            source = self.open_train_source(
+                train_source, steps=scope.swept_steps, layer_name=layers, hook_config=hook_config
+            )
+            emitted = set(scope.output_steps)
+            try:
+                test = self.load_test_rep(test_source, layer_name=layers)
+                if not loop_over_test:
+                    test_ids, queries = self.collect_test_matrix(test, dtype=block_dtype)
+                    if summed is not None:
+                        summed.start(test_ids)
+                    result = sweep.sweep(
+                        source,
+                        scope.swept,
+                        emitted,
+                        queries,
+                        propagation=propagation,
+                        entries=entries,
+                        on_emission=on_emission,
+                        sink=summed,
+                    )
+                    return result, test_ids
+                columns: dict[str, torch.Tensor] = {}
+                result = None
+                for item in test:
+                    ids, queries = self.collect_test_matrix([item], dtype=block_dtype)
+                    result = sweep.sweep(
+                        source,
+                        scope.swept,
+                        emitted,
+                        queries,
+                        propagation=propagation,
+                        entries=entries,
+                    )
+                    for position, sample in enumerate(ids):
+                        columns[sample] = result.scores[:, position]
+                if result is None:
+                    raise ValueError("the test set is empty: the test source yielded no block")
+                result.scores = torch.stack(list(columns.values()), dim=1)
+                return result, list(columns)
+            finally:
+                self.close_source(source)
+
+    @contextlib.contextmanager
+    def summed_rows(self, train_source: object, scope: RunScope) -> Iterator[SampleSums | None]:
+        """Within a top-k call, sum each sample's rows over its steps before ranking them.
+
+        Replaces the running top-k of ``top_k`` / ``top_k_from_cache`` by a
+        :class:`SampleSums` in front of it for the scoring passes of the block
+        (yielded; ``None`` outside a top-k call), releasing each sample once
+        its last emitted step is scored (the count comes from the store's
+        index; a replayed run holds every sum to the end), and ranks what is
+        left when the block ends without error.
+        """
+        sink = self._score_sink
+        if sink is None:
+            yield None
+            return
+        summed = SampleSums(sink, self._rows_per_sample(train_source, scope.output_steps))
+        self._score_sink = summed
         try:
-            test = self.load_test_rep(test_source, layer_name=layers)
-            if not loop_over_test:
-                test_ids, queries = self.collect_test_matrix(test, dtype=block_dtype)
-                result = sweep.sweep(
-                    source,
-                    scope.swept,
-                    emitted,
-                    queries,
-                    propagation=propagation,
-                    entries=entries,
-                    on_emission=on_emission,
-                )
-                return result, test_ids
-            columns: dict[str, torch.Tensor] = {}
-            result = None
-            for item in test:
-                ids, queries = self.collect_test_matrix([item], dtype=block_dtype)
-                result = sweep.sweep(
-                    source, scope.swept, emitted, queries, propagation=propagation, entries=entries
-                )
-                for position, sample in enumerate(ids):
-                    columns[sample] = result.scores[:, position]
-            if result is None:
-                raise ValueError("the test set is empty: the test source yielded no block")
-            result.scores = torch.stack(list(columns.values()), dim=1)
-            return result, list(columns)
+            yield summed
         finally:
-            self.close_source(source)
+            self._score_sink = sink
+        summed.finish()
+
+    def _rows_per_sample(self, train_source: object, steps: Iterable[int]) -> dict[str, int] | None:
+        """``{id: rows at steps}`` of a gradient store's index; ``None`` for a replayed run."""
+        if self.is_replay(train_source):
+            return None
+        wanted = set(steps)
+        counts = {}
+        for sample, occurrences in self.resolve_store(train_source).index.items():
+            count = sum(1 for occurrence in occurrences if occurrence["step"] in wanted)
+            if count:
+                counts[sample] = count
+        return counts
 
     def build_run_score(
         self,

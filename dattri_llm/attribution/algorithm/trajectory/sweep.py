@@ -36,6 +36,7 @@ import torch
 
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
 from dattri_llm.attribution.blocks import per_sample_layers
+from dattri_llm.attribution.scoring import ScoredBatch, ScoreSink
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.model.container import Gradient
@@ -265,13 +266,16 @@ class TrajectorySweep:
         layers: list[str] | None = None,
         entries: Mapping[int, Mapping[str, Any]] | None = None,
         on_emission: Callable[[Emission], None] | None = None,
+        sink: ScoreSink | None = None,
     ) -> SweepResult:
         """Rows of the ``emitted`` store steps against ``queries`` (``{layer: (n, d)}``).
 
         ``windows`` are the propagated updates (ascending); the sweep runs from
         the last one down to the earliest holding an emitted step.
         ``on_emission`` sees every :class:`Emission` first (train side: the
-        embeddings, before the queries).
+        embeddings, before the queries). With a ``sink`` (already started on
+        the query columns) each update's rows go to ``sink.add`` and are
+        dropped: the result then holds no rows.
 
         Raises:
             ValueError: no layer shared with the queries, a width mismatch.
@@ -292,9 +296,14 @@ class TrajectorySweep:
             out = emission.out
             if propagation == "train":
                 out = out @ self._queries.T
+            ids = [emission.rows.ids[i] for i in emission.keep]
+            steps = [emission.rows.steps[i] for i in emission.keep]
+            if sink is not None:
+                sink.add(ScoredBatch(out.to("cpu", torch.float32), ids, steps, None))
+                continue
             blocks.append(out.to("cpu", torch.float32))
-            row_ids.extend(emission.rows.ids[i] for i in emission.keep)
-            row_steps.extend(emission.rows.steps[i] for i in emission.keep)
+            row_ids.extend(ids)
+            row_steps.extend(steps)
         scores = torch.cat(blocks) if blocks else torch.zeros(0, n_test)
         return SweepResult(scores, row_ids, row_steps, list(self.layers_used))
 

@@ -196,11 +196,12 @@ class SampleSums:
     Each id's sum is built in float32 in arrival order (as
     ``agnostic_matrix`` adds its rows into zeros) and handed to the top-k when
     its last row has arrived, ranked at its first row's place (ties keep the
-    full score's order). ``remaining`` (``{id: rows to come}``, from the
-    store's index) says when that is; an id missing from it, or ``remaining``
-    ``None`` (a replayed run, whose rows are known only as they are
-    recomputed), is held until :meth:`finish`. Memory: one ``(M,)`` sum per
-    id seen but not complete (none when every sample is in one step).
+    full score's order). ``remaining`` (``{id: rows to come}`` of the ids with
+    more than one row, from the store's index; an id missing from it has one)
+    says when that is; with ``remaining=None`` (a replayed run, whose rows are
+    known only as they are recomputed) every id is held until :meth:`finish`.
+    Memory: one ``(M,)`` sum per id seen but not complete (none when every
+    sample is in one step).
     """
 
     def __init__(self, sink: RunningTopK, remaining: dict[str, int] | None) -> None:
@@ -224,7 +225,7 @@ class SampleSums:
             self.sink.add(batch)  # refuses token rows
         done: list[tuple[int, str, torch.Tensor]] = []
         for row, sample in enumerate(batch.row_ids):
-            left = None if self.remaining is None else self.remaining.get(sample)
+            left = None if self.remaining is None else self.remaining.get(sample, 1)
             position, total = self._open.pop(sample, (None, None))
             if position is None:
                 position, self._next = self._next, self._next + 1

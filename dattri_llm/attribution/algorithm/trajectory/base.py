@@ -429,15 +429,19 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         summed.finish()
 
     def _rows_per_sample(self, train_source: object, steps: Iterable[int]) -> dict[str, int] | None:
-        """``{id: rows at steps}`` of a gradient store's index; ``None`` for a replayed run."""
+        """``{id: rows at steps}`` of a gradient store's ids with more than one row there.
+
+        ``None`` for a replayed run (its rows are known only as they are recomputed).
+        """
         if self.is_replay(train_source):
             return None
         wanted = set(steps)
         counts = {}
         for sample, occurrences in self.resolve_store(train_source).index.items():
-            count = sum(1 for occurrence in occurrences if occurrence["step"] in wanted)
-            if count:
-                counts[sample] = count
+            if len(occurrences) > 1:
+                count = sum(1 for occurrence in occurrences if occurrence["step"] in wanted)
+                if count > 1:
+                    counts[sample] = count
         return counts
 
     def build_run_score(

@@ -1,9 +1,9 @@
 """Fork worker for the complete-distributed-scores tests (2 gloo ranks, CPU).
 
 Each rank runs ``attribute`` with ``WORLD_SIZE=2`` / ``RANK=r`` (the train set
-sharded by the streamer without padding, the model wrapped in DDP) on
-``N_TRAIN = 7`` samples (4 on rank 0, 3 on rank 1) and 3 queries, for every
-case of `CASES`: Grad-Dot, TracIn over two checkpoints, K-FAC (each at
+sharded by the streamer without padding) on ``N_TRAIN = 7`` samples (4 on
+rank 0, 3 on rank 1) and 3 queries, for every case of `CASES`, with the model
+wrapped in DDP: Grad-Dot, TracIn over two checkpoints, K-FAC (each at
 instance and token granularity), Grad-Dot through a ``"memory"`` store (one
 per rank), and Grad-Dot through a ``"disk"`` store that both ranks share
 (``SHARED_STORE_CASES``: one ``output_dir``, each rank writing its
@@ -11,11 +11,22 @@ per rank), and Grad-Dot through a ``"disk"`` store that both ranks share
 sample 2 (positions 2 and 5 live on different ranks), so the train set holds
 one sample twice, as a single-process run sees it.
 
-Each rank saves ``{case: result}`` to ``<out_dir>/rank<r>.pt`` where a result
-is `describe` of the returned score plus ``"saved"``, the score that rank 0
-wrote to its ``output_dir`` (read back by rank 0 after a barrier, ``None`` on
-rank 1), and ``"wrote_score"``: whether a score file is in the rank's own
-``output_dir`` (``False`` for a shared one).
+Under FSDP: `FSDP_CASES` repeat a case with ``fsdp="full_shard"`` (the
+streamer wraps the model in ``FullyShardedDataParallel(use_orig_params=True)``);
+`WRAPPED_CASES` give the task a model the worker wrapped in FSDP itself (and,
+for checkpoints, `load_through` as the loader): the route for the calls that
+``fsdp="full_shard"`` refuses because they would wrap the model twice
+(`refusals`: an ensemble of checkpoints, a collected store, a second call on
+the same model). `TWINS` maps each of these cases to the case it repeats,
+whose single-process score is its reference.
+
+Each rank saves ``{case: result}`` (plus ``"refusals"``) to
+``<out_dir>/rank<r>.pt`` where a result is `describe` of the returned score
+plus ``"saved"``, the score that rank 0 wrote to its ``output_dir`` (read back
+by rank 0 after a barrier, ``None`` on rank 1), ``"wrote_score"``: whether a
+score file is in the rank's own ``output_dir`` (``False`` for a shared one),
+and ``"wrappers"``: the classes of the wrappers the streamers built
+(``[]`` when the task brought its own).
 """
 
 from __future__ import annotations
@@ -40,6 +51,17 @@ CASES = {
     "grad_dot_disk_store": ("tracin", 1, {"gradient_cache_residency": "disk"}),
 }
 SHARED_STORE_CASES = ("grad_dot_disk_store",)  # one output_dir (and store) for both ranks
+FSDP_CASES = {  # the case with fsdp="full_shard" -> the case it repeats
+    "grad_dot_instance_fsdp": "grad_dot_instance",
+    "grad_dot_token_fsdp": "grad_dot_token",
+    "kfac_instance_fsdp": "kfac_instance",
+    "kfac_token_fsdp": "kfac_token",
+}
+WRAPPED_CASES = {  # the task given an FSDP wrapper -> the case it repeats
+    "tracin_2ckpt_instance_wrapped": "tracin_2ckpt_instance",
+    "grad_dot_memory_store_wrapped": "grad_dot_memory_store",
+}
+TWINS = {**FSDP_CASES, **WRAPPED_CASES}
 
 
 def train_set() -> list[dict]:
@@ -66,14 +88,35 @@ def describe(score) -> dict:
     }
 
 
-def run_case(case: str, out_dir: str, **extra) -> dict:
-    """One ``attribute`` call of ``case`` on a fresh model; ``describe`` of its score."""
+def load_through(wrapper):
+    """A ``checkpoints_load_func`` for a task given an FSDP ``wrapper``: load the full state
+    inside ``summon_full_params`` (written back to every rank's shard)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    def load(model: torch.nn.Module, checkpoint: dict) -> torch.nn.Module:
+        with FullyShardedDataParallel.summon_full_params(wrapper, writeback=True):
+            model.load_state_dict(checkpoint)
+        return model
+
+    return load
+
+
+def attributor(case: str, out_dir: str, **extra) -> tuple:
+    """``(attributor, attribute options)`` of ``case`` on a fresh model (see `TWINS`)."""
     from dattri_llm.attribution.algorithm.kronecker import KFACAttributor
     from dattri_llm.attribution.algorithm.tracin import TracInAttributor
     from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.task import AttributionTask
 
-    method, count, options = CASES[case]
+    if case in FSDP_CASES:
+        extra = {**extra, "fsdp": "full_shard"}
+    model, loader = build_model(), None
+    if case in WRAPPED_CASES:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+        loader = load_through(model)
+    method, count, options = CASES[TWINS.get(case, case)]
     args = AttributionArguments(
         output_dir=out_dir,
         use_cpu=True,
@@ -81,12 +124,40 @@ def run_case(case: str, out_dir: str, **extra) -> dict:
         per_device_eval_batch_size=2,
         **extra,
     )
-    task = AttributionTask(skip_loss, build_model(), checkpoints=checkpoints(count))
+    task = AttributionTask(
+        skip_loss, model, checkpoints=checkpoints(count), checkpoints_load_func=loader
+    )
     cls = KFACAttributor if method == "kfac" else TracInAttributor
+    return cls(args, task=task), options
+
+
+def run_case(case: str, out_dir: str, **extra) -> dict:
+    """One ``attribute`` call of ``case`` on a fresh model; ``describe`` of its score."""
+    method, options = attributor(case, out_dir, **extra)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        score = cls(args, task=task).attribute(train_set(), queries(), **options)
+        score = method.attribute(train_set(), queries(), **options)
     return describe(score)
+
+
+def refusals(out_dir: str) -> dict[str, str]:
+    """The errors of the calls ``fsdp="full_shard"`` refuses: they would wrap one model twice."""
+    calls = {
+        "ensemble": ("tracin_2ckpt_instance", 1),
+        "collected": ("grad_dot_memory_store", 1),
+        "again": ("grad_dot_instance", 2),  # the second call on the same model
+    }
+    messages = {}
+    for label, (case, calls_made) in calls.items():
+        method, options = attributor(case, f"{out_dir}/{label}", fsdp="full_shard")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                for _ in range(calls_made):
+                    method.attribute(train_set(), queries(), **options)
+            except (ValueError, RuntimeError) as error:
+                messages[label] = f"{type(error).__name__}: {error}"
+    return messages
 
 
 def worker(rank: int, init_method: str, out_dir: str) -> None:
@@ -94,23 +165,36 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from dattri_llm.attribution.score import AttributionScore
+    from dattri_llm.gradient.stream import streamer
 
     torch.set_num_threads(1)
     os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank))
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
     )
+    wrappers: list[str] = []
+    place_model = streamer.place_model
+
+    def recording_place_model(*args, **kwargs):
+        wrapper = place_model(*args, **kwargs)
+        wrappers.append(type(wrapper).__name__)
+        return wrapper
+
+    streamer.place_model = recording_place_model  # forked worker: patched in this rank only
     try:
         results = {}
-        for case in CASES:
+        for case in [*CASES, *TWINS]:
+            wrappers.clear()
             shared = case in SHARED_STORE_CASES
             case_dir = f"{out_dir}/{case}" if shared else f"{out_dir}/{case}_rank{rank}"
             results[case] = run_case(case, case_dir)
+            results[case]["wrappers"] = sorted(set(wrappers))
             dist.barrier()
             results[case]["saved"] = (
                 describe(AttributionScore.load(case_dir)) if rank == 0 else None
             )
             results[case]["wrote_score"] = not shared and os.path.exists(f"{case_dir}/scores.pt")
+        results["refusals"] = refusals(f"{out_dir}/refused_rank{rank}")
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

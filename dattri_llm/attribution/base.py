@@ -472,9 +472,11 @@ class BaseInnerProductAttributor(topk.TopKCalls, BaseAttributor):
         _check_dataset(train_dataset, "training")
         _check_dataset(test_dataset, "test")
         root = Path(cache_dir if cache_dir is not None else self.args.output_dir).expanduser()
+        indices = runs.ensemble_indices(self, enable_update)
+        runs.check_single_fsdp_wrap(self, len(indices), collected=True)
         return collection.cache_checkpoints(
             self,
-            runs.ensemble_indices(self, enable_update),
+            indices,
             root,
             train_dataset,
             test_dataset,

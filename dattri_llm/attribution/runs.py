@@ -24,7 +24,7 @@ from dattri_llm.attribution.scoring import ScoreResult
 from dattri_llm.attribution.sources import _require_records, normalize_layer_names
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.cache import CACHE_RESIDENCIES
-from dattri_llm.utils.distributed import dist_barrier
+from dattri_llm.utils.distributed import dist_barrier, dist_world_size
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.score import AttributionScore
@@ -60,6 +60,43 @@ def ensemble_indices(attributor: Any, enable_update: bool) -> list[int]:
     return indices
 
 
+def check_single_fsdp_wrap(attributor: Any, checkpoints: int, *, collected: bool) -> None:
+    """``ValueError`` when ``args.fsdp`` would have to wrap the task's model more than once.
+
+    With ``args.fsdp`` set, each streamer wraps the task's (unwrapped) model in
+    ``FullyShardedDataParallel``, which shards its parameters in place over the
+    ranks and cannot be undone: a second streamer over the model would find
+    1-D shards (a collected call runs a query streamer, then a training one;
+    the next checkpoint of an ensemble cannot even be loaded into it). A call
+    doing that is refused here, before any work, rather than failing half-way
+    (`wrap_fsdp` guards other second wraps). One live checkpoint wraps once
+    (the query probe runs through the training streamer's wrapper). A task
+    given a wrapper is never re-wrapped; one rank shards nothing.
+    """
+    task = attributor.task
+    args = attributor.args
+    if not args.fsdp or task is None or task.is_wrapped or dist_world_size() <= 1:
+        return
+    if checkpoints <= 1 and not collected:
+        return
+    what = (
+        "collecting gradients (gradient_cache_residency / cache()) streams the queries and "
+        "the training set with separate streamers"
+        if collected
+        else f"an ensemble of {checkpoints} checkpoints wraps it once per checkpoint"
+    )
+    raise ValueError(
+        f"args.fsdp={args.fsdp!r} wraps the task's model in FullyShardedDataParallel, which "
+        "shards its parameters in place and cannot be undone, so one call can wrap it only "
+        f"once, but {what}. Score live (gradient_cache_residency=None) one checkpoint per "
+        "call, each on a freshly built model; or wrap the model yourself and pass the "
+        "wrapper, AttributionTask(loss, FullyShardedDataParallel(model, use_orig_params=True), "
+        "checkpoints, checkpoints_load_func=...) with a loader that loads inside "
+        "FullyShardedDataParallel.summon_full_params(wrapper, writeback=True); or use DDP "
+        "(unset args.fsdp)"
+    )
+
+
 def score_live(
     attributor: Any,
     train_dataset: object,
@@ -73,9 +110,11 @@ def score_live(
 ) -> tuple[list[ScoreResult], list[str]]:
     """Score each checkpoint live; return the per-checkpoint results and hooked layers."""
     results, layers = [], []
+    indices = ensemble_indices(attributor, enable_update)
+    check_single_fsdp_wrap(attributor, len(indices), collected=False)
     attributor._verbose = verbose
     try:
-        for k in ensemble_indices(attributor, enable_update):
+        for k in indices:
             attributor.load_checkpoint(k)
             train = attributor.generate_train_rep(
                 train_dataset,
@@ -142,7 +181,9 @@ def score_collected(
             score = attributor.attribute_from_cache(train_dir, test_dir, **score_kwargs)
             results.append(score_result(score))
         return results, list(attributor._hooked_layers)
-    for k in ensemble_indices(attributor, enable_update):
+    indices = ensemble_indices(attributor, enable_update)
+    check_single_fsdp_wrap(attributor, len(indices), collected=True)
+    for k in indices:
         attributor.load_checkpoint(k)
         with tempfile.TemporaryDirectory(prefix="dattri_llm_cache_") as tmp:
             train_store = GradientStorageManager(f"{tmp}/train", residency=residency)

@@ -1,18 +1,30 @@
 """A sharded live ``attribute`` returns and saves the complete score on every rank.
 
-Two gloo ranks (CPU, DDP-wrapped, see ``distributed_scores_helpers``) each
-stream their unpadded shard of 7 training samples (4 and 3) against 3 queries.
-After the gather every rank's score must equal the single-process score of the
-same call: the same rows in the same order (ids, steps, token positions), the
-same columns, and the same values; rank 0's saved score file must equal it.
-Cases: Grad-Dot, TracIn over two checkpoints and K-FAC, each at instance and
-token granularity, Grad-Dot scored from a ``"memory"`` store per rank (the
-ranks' stores gathered) and Grad-Dot from a ``"disk"`` store both ranks share
-(each rank scores it whole; rows in the store's order, rank 0's shard first,
-so that case is compared row by row after matching rows by identity). The
-train set holds one sample twice (on different ranks): live, it appears twice,
-as in the single-process run; from a store, which holds each (sample, step)
-once, once, as in the single-process store.
+Two gloo ranks (CPU, see ``distributed_scores_helpers``) each stream their
+unpadded shard of 7 training samples (4 and 3) against 3 queries. After the
+gather every rank's score must equal the single-process score of the same
+call: the same rows in the same order (ids, steps, token positions), the same
+columns, and the same values; rank 0's saved score file must equal it.
+Cases, with the model wrapped in DDP: Grad-Dot, TracIn over two checkpoints
+and K-FAC, each at instance and token granularity, Grad-Dot scored from a
+``"memory"`` store per rank (the ranks' stores gathered) and Grad-Dot from a
+``"disk"`` store both ranks share (each rank scores it whole; rows in the
+store's order, rank 0's shard first, so that case is compared row by row
+after matching rows by identity). The train set holds one sample twice (on
+different ranks): live, it appears twice, as in the single-process run; from
+a store, which holds each (sample, step) once, once, as in the single-process
+store.
+
+FSDP: Grad-Dot and K-FAC at both granularities again with
+``fsdp="full_shard"`` (the streamer wraps the model in
+``FullyShardedDataParallel``; checked), each against the single-process score
+of the same call without ``fsdp`` (one process has no process group to shard
+over, and that call is the DDP case's reference). The calls that would wrap
+the model twice (an ensemble of checkpoints, a collected store, a second call
+on the same model: FSDP shards in place, for good) are refused on both ranks
+with an error naming the fix; the fix, a task given an FSDP wrapper (and a
+loader through ``summon_full_params``), is run for TracIn over two
+checkpoints and the ``"memory"`` store and gives the single-process score.
 
 Values: the ids, steps, token positions and columns are compared exactly;
 the scores with ``rtol=1e-5`` (relative to the largest score). Each row is one
@@ -21,15 +33,16 @@ kernels run on batches of different composition (rank 0 pairs samples 0 and
 2, one process samples 0 and 1), which round differently in the last bits;
 K-FAC also all-reduces its covariances across the ranks, another summation
 order. Observed differences are ~1e-7 relative (the single-process run itself
-gives its duplicated sample two rows that differ by as much). The tolerance is
-far below the gaps between the scores (checked), so a row in the wrong place
-cannot pass.
+gives its duplicated sample two rows that differ by as much), under FSDP as
+under DDP. The tolerance is far below the gaps between the scores (checked),
+so a row in the wrong place cannot pass.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from collections import Counter
 
 import pytest
@@ -37,35 +50,55 @@ import torch
 import torch.multiprocessing as mp
 from distributed_scores_helpers import (
     CASES,
+    FSDP_CASES,
     N_TRAIN,
     SHARED_STORE_CASES,
+    TWINS,
+    WRAPPED_CASES,
+    attributor,
     run_case,
+    train_set,
     worker,
 )
 from free_port import free_port
-from kfac_distributed_helpers import WORLD
+from kfac_distributed_helpers import WORLD, queries
 
 from dattri_llm.attribution.gather import gather_results
 
 pytest.importorskip("transformers")  # the live streamer seeds through transformers.set_seed
 
 
+ALL_CASES = sorted([*CASES, *TWINS])
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``{case: ([rank results], single-process result)}`` from one 2-rank run."""
+def distributed(tmp_path_factory):
+    """``([rank results], single-process results)``: one 2-rank run of every case."""
     assert "WORLD_SIZE" not in os.environ  # the single-process runs below are unsharded
+    import torch.distributed.fsdp  # noqa: F401  (imported before the fork, not in each rank)
+
     root = tmp_path_factory.mktemp("distributed_scores")
-    mp.start_processes(
-        worker,
-        args=(f"tcp://127.0.0.1:{free_port()}", str(root)),
-        nprocs=WORLD,
-        join=True,
-        start_method="fork",
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FSDP on CPU / gloo warns about its device
+        mp.start_processes(
+            worker,
+            args=(f"tcp://127.0.0.1:{free_port()}", str(root)),
+            nprocs=WORLD,
+            join=True,
+            start_method="fork",
+        )
     ranks = [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
+    single = {case: run_case(case, str(root / f"single_{case}")) for case in CASES}
+    return ranks, single
+
+
+@pytest.fixture(scope="module")
+def runs(distributed):
+    """``{case: ([rank results], single-process result)}``; a twin has its case's reference."""
+    ranks, single = distributed
     return {
-        case: ([result[case] for result in ranks], run_case(case, str(root / f"single_{case}")))
-        for case in CASES
+        case: ([result[case] for result in ranks], single[TWINS.get(case, case)])
+        for case in ALL_CASES
     }
 
 
@@ -87,7 +120,7 @@ def _in_store_order(got: dict, expected: dict) -> dict:
 
 
 def _assert_same_score(got: dict, expected: dict, case: str) -> None:
-    if case in SHARED_STORE_CASES:
+    if TWINS.get(case, case) in SHARED_STORE_CASES:
         got = _in_store_order(got, expected)
     for key in ("row_ids", "row_steps", "row_tokens", "test_ids"):
         assert got[key] == expected[key], key
@@ -96,9 +129,10 @@ def _assert_same_score(got: dict, expected: dict, case: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_every_rank_returns_the_single_process_score(runs, case):
     ranks, single = runs[case]
+    twin = TWINS.get(case, case)
     for rank, got in enumerate(ranks):
         _assert_same_score(got, single, case)
         # one group of rows per sample and checkpoint; the duplicated sample twice, no more
@@ -108,8 +142,8 @@ def test_every_rank_returns_the_single_process_score(runs, case):
             for i, h in enumerate(got["row_ids"])
             if got["row_tokens"] is None or got["row_tokens"][i] == 0
         ]
-        checkpoints = 2 if "2ckpt" in case else 1
-        copies = 1 if case.endswith("store") else 2  # a store holds (sample, step) once
+        checkpoints = 2 if "2ckpt" in twin else 1
+        copies = 1 if twin.endswith("store") else 2  # a store holds (sample, step) once
         assert len(firsts) == (N_TRAIN - 2 + copies) * checkpoints, rank
         counts = Counter(firsts)
         assert len(counts) == N_TRAIN - 1
@@ -124,19 +158,70 @@ def test_every_rank_returns_the_single_process_score(runs, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_each_case_runs_under_its_wrapper(runs, case):
+    if case in FSDP_CASES:
+        expected = ["FullyShardedDataParallel"]
+    elif case in WRAPPED_CASES:
+        expected = []  # the task's own FullyShardedDataParallel: the streamers wrap nothing
+    else:
+        expected = ["DistributedDataParallel"]
+    ranks, _ = runs[case]
+    assert [got["wrappers"] for got in ranks] == [expected] * WORLD
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_rank_zero_saves_the_complete_score(runs, case):
     ranks, single = runs[case]
     _assert_same_score(ranks[0]["saved"], single, case)
-    if case not in SHARED_STORE_CASES:
+    if TWINS.get(case, case) not in SHARED_STORE_CASES:
         assert ranks[0]["wrote_score"] and not ranks[1]["wrote_score"]
 
 
 @pytest.mark.slow
-def test_token_rows_of_a_sample_stay_together(runs):
-    ranks, single = runs["grad_dot_token"]
+@pytest.mark.parametrize("case", ["grad_dot_token", "grad_dot_token_fsdp"])
+def test_token_rows_of_a_sample_stay_together(runs, case):
+    ranks, single = runs[case]
     tokens = ranks[0]["row_tokens"]
     assert tokens == single["row_tokens"] == [0, 1, 2] * N_TRAIN
+
+
+@pytest.mark.slow
+def test_fsdp_refuses_to_wrap_a_model_twice_on_every_rank(distributed):
+    ranks, _ = distributed
+    refused = [result["refusals"] for result in ranks]
+    assert refused[0] == refused[1]  # every rank raises, none is left waiting in a collective
+    assert sorted(refused[0]) == ["again", "collected", "ensemble"]
+    assert refused[0]["ensemble"].startswith("ValueError: args.fsdp=['full_shard']")
+    assert "an ensemble of 2 checkpoints" in refused[0]["ensemble"]
+    assert "gradient_cache_residency" in refused[0]["collected"]
+    for label in ("ensemble", "collected"):
+        assert "summon_full_params(wrapper, writeback=True)" in refused[0][label]
+    assert refused[0]["again"].startswith("RuntimeError: SkipNet was already wrapped")
+    assert "pass the wrapper" in refused[0]["again"]
+
+
+@pytest.mark.parametrize(
+    ("case", "call", "match"),
+    [
+        ("tracin_2ckpt_instance", "attribute", "an ensemble of 2 checkpoints"),
+        ("grad_dot_memory_store", "attribute", "gradient_cache_residency"),
+        ("grad_dot_instance", "cache", "gradient_cache_residency"),
+    ],
+)
+def test_fsdp_refuses_a_call_that_wraps_twice_before_any_work(
+    tmp_path, monkeypatch, case, call, match
+):
+    # as under a 2-rank process group; refused before a checkpoint is loaded or a model run
+    monkeypatch.setattr("dattri_llm.attribution.runs.dist_world_size", lambda: 2)
+    method, options = attributor(case, str(tmp_path), fsdp="full_shard")
+    with pytest.raises(ValueError, match=f"(?s){match}.*freshly built model.*use DDP"):
+        if call == "cache":
+            method.cache(train_set(), queries())
+        else:
+            method.attribute(train_set(), queries(), **options)
+    assert method.task.current_checkpoint_idx is None  # no checkpoint was loaded
 
 
 def test_sharded_without_a_process_group_warns_and_keeps_the_shard():

@@ -12,6 +12,7 @@ absent from builds without distributed support).
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -22,7 +23,7 @@ from torch import nn
 from dattri_llm.gradient.model.container import Gradient
 from dattri_llm.gradient.model.records import Factorized
 from dattri_llm.gradient.stream.settings import TrainingSettings
-from dattri_llm.utils.distributed import is_dist_initialized
+from dattri_llm.utils.distributed import dist_world_size, is_dist_initialized
 from dattri_llm.utils.wrappers import is_fsdp
 
 __all__ = [
@@ -45,6 +46,10 @@ __all__ = [
 ]
 
 FSDP_CONFIG_KEYS = ("transformer_layer_cls_to_wrap", "min_num_params")
+
+# Models `wrap_fsdp` sharded over several ranks: FSDP flattens and shards their parameters in
+# place and cannot be undone, so wrapping one again would run it on 1-D shards.
+_SHARDED_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 # --------------------------------------------------------------------------- FSDP options
@@ -253,6 +258,8 @@ def wrap_fsdp(model: nn.Module, args: TrainingSettings) -> nn.Module:
 
     The options are checked first; a single process without a process group
     has nothing to shard: the model is returned unwrapped with a ``UserWarning``.
+    A model this function already sharded over several ranks → ``RuntimeError``
+    (FSDP shards it in place, for good).
     """
     kwargs = fsdp_wrap_kwargs(model, args)
     if args.world_size <= 1 and not is_dist_initialized():
@@ -264,10 +271,21 @@ def wrap_fsdp(model: nn.Module, args: TrainingSettings) -> nn.Module:
         )
         return model
     require_process_group(args)
+    if model in _SHARDED_MODELS:
+        raise RuntimeError(
+            f"{type(model).__name__} was already wrapped in FullyShardedDataParallel by an "
+            "earlier streamer (a previous attribute() or GradientStreamer on this model): FSDP "
+            "sharded its parameters in place and cannot be undone, so it cannot be wrapped "
+            "again. Build a fresh model, or wrap it once yourself and pass the wrapper "
+            "(AttributionTask(model=wrapper) or forward_model=wrapper)"
+        )
     # optional dependency: torch.distributed.fsdp (absent from non-distributed builds)
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    return FullyShardedDataParallel(model, device_id=compute_device(args), **kwargs)
+    wrapper = FullyShardedDataParallel(model, device_id=compute_device(args), **kwargs)
+    if dist_world_size() > 1:  # one rank keeps its parameters whole: wrapping again is harmless
+        _SHARDED_MODELS.add(model)
+    return wrapper
 
 
 def wrap_ddp(model: nn.Module, args: TrainingSettings) -> nn.Module:

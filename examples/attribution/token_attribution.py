@@ -1,21 +1,38 @@
 """Token-level attribution: which training *tokens* pushed a tiny language model's answers?
 
 Trains the quickstart's small GPT-2 on the five-topic corpus
-(``examples/quickstart_corpus.py``), then scores every training token against
-a few query sentences with ``attribution_granularity="token"``. A sequence's
-score is the sum of its token contributions (paper appendix B.5): each
-training token ``t`` contributes ``<g_t, F⁻¹ g_query>``, the part of the
-sentence's gradient that flows through position ``t`` (the prediction of
-token ``t+1``), against the preconditioned query gradient.
+(``examples/quickstart_corpus.py``), ranks the training sentences for each
+query sentence with one attribution method, and writes a self-contained HTML
+page (``dattri_llm.attribution.report.write_token_report``): for each query,
+its top proponents, best first, with their scores.
 
-The result is a self-contained HTML page: for each query, its top proponents
-(``score.top_k``, which ranks by ``polarity × score``) with every token shaded
-on a diverging scale centred at zero (red pushes the query's loss down, i.e.
-supports it; blue opposes it; the shading applies the score's polarity);
-hovering a token shows its score as stored.
+The ranking is the method's exact streaming top-k (``attributor.top_k``) where
+the method has one (``streaming_top_k``), else ``attribute(...).top_k``. Where
+the method scores tokens (``attribution_granularity="token"``), every training
+token is shaded by its own contribution to the sentence's score (a sentence's
+score is the sum of its token contributions, paper appendix B.5: token ``t``
+contributes the part of the sentence's gradient that flows through position
+``t``, the prediction of token ``t+1``, against the method's query vector):
+red supports the query, blue opposes it (the score's polarity applied);
+hovering a token shows its score as stored. Other methods list their top
+proponents with unshaded tokens, and the page says why.
 
-Methods: ``graddot`` (raw inner products), ``kfac`` and ``ekfac``
-(curvature-preconditioned, relative damping).
+Methods (``--method``):
+
+* ``graddot``, ``gradcos`` (Grad-Dot / Grad-Cos at the final weights),
+  ``kfac``, ``ekfac`` (curvature-preconditioned, relative damping; one fit
+  serves the ranking and the token scores): shaded;
+* ``tracin`` (the TracIn checkpoint ensemble: up to three epoch-end
+  checkpoints, cached into stores and ranked with ``top_k_from_cache``):
+  shaded (token scores summed over the checkpoints);
+* ``lorif`` (LoGRA-projected gradients, rank-1 training records, full-rank
+  curvature): unshaded, a rank-1 record has no token axis;
+* ``less``, ``trajectory-tracin``, ``dvemb``, ``adamw-influence`` (they score
+  a recorded training run): the method trains and records the *last* epoch
+  itself (a fresh AdamW at the same learning rate, batches of 16) after the
+  plain loop has run the others; unshaded, these methods score whole samples
+  only. AdamW-influence calls a more negative score more helpful (polarity
+  -1); the ranking and the page apply that.
 
 Run:  python examples/attribution/token_attribution.py --method kfac --output tokens.html
 Quick smoke run:  add ``--epochs 1 --sentences-per-topic 4``.
@@ -24,17 +41,30 @@ Quick smoke run:  add ``--epochs 1 --sentences-per-topic 4``.
 from __future__ import annotations
 
 import argparse
-import html
+import copy
 import sys
 import tempfile
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
-from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+from dattri_llm.attribution.algorithm import (
+    AdamWInfluenceAttributor,
+    DVEmbAttributor,
+    EKFACAttributor,
+    KFACAttributor,
+    LESSAttributor,
+    LoRIFAttributor,
+    TracInAttributor,
+    TrajectoryTracInAttributor,
+)
 from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.report import write_token_report
+from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.topk import TopK
 from dattri_llm.gradient.hooks.config import HookManagerConfig
 from dattri_llm.task import AttributionTask
 from dattri_llm.utils.hashing import hash_sample
@@ -43,13 +73,196 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quickstart import LEARNING_RATE, MAX_LEN, SEED, WordTokenizer, loss_fn  # noqa: E402
 from quickstart_corpus import CORPUS, QUERIES  # noqa: E402
 
-METHODS = ("graddot", "kfac", "ekfac")
+BATCH_SIZE = 16
+HOOK_CONFIG = HookManagerConfig(linear_io=[r"\.mlp\.", r"^lm_head$"])
+TRACIN_CHECKPOINTS = 3  # epoch-end checkpoints of the TracIn ensemble (at most)
+# LoRIF fits a layer's curvature from its D x D Gram matrix: project each factor to 16
+# (LoGRA style, D = 16 x 16) rather than fit the unprojected layers (D up to 64 x 256 and more).
+LORIF_HOOK_CONFIG = HookManagerConfig(
+    linear_io=HOOK_CONFIG.linear_io,
+    projection_kwargs={"__default__": {"style": "logra", "proj_dim": 16}},
+)
 
 
+@dataclass(frozen=True)
+class Method:
+    """How one ``--method`` runs: its display name and what it needs."""
+
+    name: str
+    run: Callable[[Setup], Result]
+    trains_last_epoch: bool = False  # records the run's last epoch itself
+    checkpoints: bool = False  # TracIn: keeps epoch-end checkpoints
+
+
+@dataclass
+class Setup:
+    """What a method runs on: the trained model, the data, the options, a scratch folder."""
+
+    model: torch.nn.Module
+    train_set: list[dict]
+    query_set: list[dict]
+    options: argparse.Namespace
+    work: Path
+    checkpoints: list[dict] | None = None
+
+    def args(self) -> AttributionArguments:
+        """CPU arguments writing into the scratch folder; the plain loop's optimizer settings."""
+        settings = {
+            "output_dir": str(self.work / "out"),
+            "use_cpu": True,
+            "per_device_train_batch_size": BATCH_SIZE,
+            "per_device_eval_batch_size": len(self.query_set),
+            "learning_rate": LEARNING_RATE,
+            "weight_decay": 0.01,
+            "lr_scheduler_type": "constant",
+            "max_grad_norm": None,
+            "seed": SEED,
+        }
+        return AttributionArguments(**settings)
+
+    def task(self, checkpoints: object = None) -> AttributionTask:
+        """The summed loss (each captured gradient is one sentence's own) on the model."""
+        return AttributionTask(loss_func=loss_fn, model=self.model, checkpoints=checkpoints)
+
+
+@dataclass
+class Result:
+    """A method's ranking, its token scores (``None``: unshaded) and a note for the page."""
+
+    ranking: TopK | AttributionScore
+    token_score: AttributionScore | None
+    note: str
+
+
+# ---------------------------------------------------------------------------- the methods
+def rank(attributor, setup: Setup, **options) -> TopK | AttributionScore:
+    """The method's exact streaming top-k where it has one, else its score (the report ranks it)."""
+    if attributor.streaming_top_k:
+        return attributor.top_k(
+            setup.query_set, setup.options.top_k, train_source=setup.train_set, **options
+        )
+    return attributor.attribute(setup.train_set, setup.query_set, **options)
+
+
+def grad_dot(setup: Setup, normalized: bool = False) -> Result:
+    """Grad-Dot (Grad-Cos): streaming top-k, then the token scores."""
+    attributor = TracInAttributor(setup.args(), task=setup.task())
+    options = {"hook_config": HOOK_CONFIG, "normalized_grad": normalized}
+    ranking = rank(attributor, setup, **options)
+    tokens = attributor.attribute(
+        setup.train_set, setup.query_set, attribution_granularity="token", **options
+    )
+    return Result(ranking, tokens, "Gradients at the final weights.")
+
+
+def tracin(setup: Setup) -> Result:
+    """The TracIn checkpoint ensemble: stores per checkpoint, ``top_k_from_cache`` over them."""
+    attributor = TracInAttributor(setup.args(), task=setup.task(setup.checkpoints))
+    stores = attributor.cache(
+        setup.train_set, setup.query_set, cache_dir=str(setup.work / "stores"),
+        hook_config=HOOK_CONFIG,
+    )  # fmt: skip
+    trains, tests = [train for train, _ in stores], [test for _, test in stores]
+    ranking = attributor.top_k_from_cache(trains, tests, setup.options.top_k)
+    tokens = attributor.attribute(
+        setup.train_set, setup.query_set, hook_config=HOOK_CONFIG,
+        attribution_granularity="token",
+    )  # fmt: skip
+    return Result(ranking, tokens, f"Sum over {len(stores)} epoch-end checkpoint(s), unit weights.")
+
+
+def kronecker(cls: type) -> Callable[[Setup], Result]:
+    """K-FAC / EK-FAC: one fit (``fit_dir``) for the streaming top-k and the token scores."""
+
+    def run(setup: Setup) -> Result:
+        options = {
+            "hook_config": HOOK_CONFIG,
+            "damping": setup.options.damping,
+            "relative_damping": True,
+            "fit_dir": str(setup.work / "fit"),
+        }
+        attributor = cls(setup.args(), task=setup.task())
+        ranking = rank(attributor, setup, **options)
+        tokens = attributor.attribute(
+            setup.train_set, setup.query_set, attribution_granularity="token", **options
+        )
+        return Result(ranking, tokens, f"Relative damping {setup.options.damping}.")
+
+    return run
+
+
+def lorif(setup: Setup) -> Result:
+    """LoRIF at rank 1: streaming top-k; rank-1 records have no token axis (unshaded)."""
+    attributor = LoRIFAttributor(setup.args(), task=setup.task(), rank=1)
+    ranking = rank(attributor, setup, hook_config=LORIF_HOOK_CONFIG)
+    return Result(
+        ranking,
+        None,
+        "LoGRA-projected gradients (16 x 16 per layer), rank-1 training records, full-rank "
+        "curvature. A rank-1 record keeps no token axis, so LoRIF has token scores only at "
+        "rank=None (uncompressed records).",
+    )
+
+
+SWEPT = (
+    "Its scores come from a backward sweep over the recorded updates, whole samples per "
+    "row (no streaming top-k, no token rows), so the tokens are unshaded."
+)
+WHY_UNSHADED = {
+    LESSAttributor: "Its training rows are each sample's Adam update direction, a map of the "
+    "whole gradient with no token axis (and rescaled after the pass: no streaming top-k), so "
+    "the tokens are unshaded.",
+    TrajectoryTracInAttributor: SWEPT,
+    DVEmbAttributor: SWEPT,
+    AdamWInfluenceAttributor: SWEPT,
+}
+
+
+def recorded_run(cls: type, **kwargs) -> Callable[[Setup], Result]:
+    """A method scoring a recorded run (no streaming top-k): it trains the last epoch itself."""
+
+    def run(setup: Setup) -> Result:
+        attributor = cls(setup.args(), task=setup.task())
+        ranking = rank(attributor, setup, hook_config=HOOK_CONFIG, **kwargs)
+        note = f"The method trained and recorded the last epoch itself. {WHY_UNSHADED[cls]}"
+        return Result(ranking, None, note)
+
+    return run
+
+
+METHODS: dict[str, Method] = {
+    "graddot": Method("Grad-Dot", grad_dot),
+    "gradcos": Method("Grad-Cos", lambda setup: grad_dot(setup, normalized=True)),
+    "tracin": Method("TracIn", tracin, checkpoints=True),
+    "kfac": Method("K-FAC", kronecker(KFACAttributor)),
+    "ekfac": Method("EK-FAC", kronecker(EKFACAttributor)),
+    "lorif": Method("LoRIF", lorif),
+    "less": Method(
+        "LESS",
+        recorded_run(LESSAttributor, enable_update=True, loss_reduction="sum"),
+        trains_last_epoch=True,
+    ),
+    "trajectory-tracin": Method(
+        "trajectory TracIn", recorded_run(TrajectoryTracInAttributor), trains_last_epoch=True
+    ),
+    "dvemb": Method(
+        "DVEmb",
+        recorded_run(DVEmbAttributor, propagation="test", loss_reduction="sum", learning_rate=None),
+        trains_last_epoch=True,
+    ),
+    "adamw-influence": Method(
+        "AdamW-influence",
+        recorded_run(AdamWInfluenceAttributor, propagation="test", loss_reduction="sum"),
+        trains_last_epoch=True,
+    ),
+}
+
+
+# ---------------------------------------------------------------------------- training
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", choices=METHODS, default="kfac")
+    parser.add_argument("--method", choices=list(METHODS), default="kfac")
     parser.add_argument("--output", default="token_attribution.html", help="HTML file to write")
     parser.add_argument("--epochs", type=int, default=20, help="training epochs")
     parser.add_argument("--top-k", type=int, default=3, help="proponents shown per query")
@@ -63,6 +276,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     options = parser.parse_args(argv)
     if options.sentences_per_topic is not None and options.sentences_per_topic < 1:
         parser.error(f"--sentences-per-topic must be >= 1, got {options.sentences_per_topic}")
+    if options.epochs < 1:
+        parser.error(f"--epochs must be >= 1, got {options.epochs}")
+    if options.top_k < 1:
+        parser.error(f"--top-k must be >= 1, got {options.top_k}")
     return options
 
 
@@ -81,92 +298,40 @@ def build_model(vocab_size: int) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def train(model: torch.nn.Module, train_set: list[dict], epochs: int) -> None:
-    """A plain training loop: AdamW, shuffled mini-batches of 16, mean loss."""
+def train(
+    model: torch.nn.Module, train_set: list[dict], epochs: int, keep: Collection[int] = ()
+) -> list[dict]:
+    """A plain loop: AdamW, shuffled mini-batches of 16, mean loss; state dicts after ``keep``."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    loader = torch.utils.data.DataLoader(train_set, batch_size=16, shuffle=True)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=BATCH_SIZE, shuffle=True)
+    kept = []
     model.train()
-    for _ in range(epochs):
+    for epoch in range(1, epochs + 1):
         for batch in loader:
             optimizer.zero_grad()
             (loss_fn(model, batch) / len(batch["input_ids"])).backward()
             optimizer.step()
+        if epoch in keep:
+            kept.append(copy.deepcopy(model.state_dict()))
+    return kept
 
 
-def token_scores(method: str, model, train_set, query_set, damping: float):
-    """Token-level ``AttributionScore`` of ``method`` (rows: train sample × position)."""
-    hook_config = HookManagerConfig(linear_io=[r"\.mlp\.", r"^lm_head$"])
-    with tempfile.TemporaryDirectory() as out_dir:
-        args = AttributionArguments(
-            output_dir=out_dir, use_cpu=True, per_device_train_batch_size=32, seed=SEED
-        )
-        task = AttributionTask(loss_func=loss_fn, model=model)
-        options = {"hook_config": hook_config, "attribution_granularity": "token"}
-        if method == "graddot":
-            return TracInAttributor(args, task=task).attribute(train_set, query_set, **options)
-        cls = KFACAttributor if method == "kfac" else EKFACAttributor
-        return cls(args, task=task).attribute(
-            train_set, query_set, damping=damping, relative_damping=True, **options
-        )
+def padded(words: list[str]) -> list[str | None]:
+    """One entry per input position: the words, then ``None`` at the (right) padding."""
+    return words + [None] * (MAX_LEN - len(words))
 
 
-def shade(value: float, scale: float) -> str:
-    """Diverging background colour centred at zero: red positive, blue negative."""
-    alpha = min(abs(value) / scale, 1.0) if scale > 0 else 0.0
-    rgb = "214, 39, 40" if value >= 0 else "31, 119, 180"
-    return f"rgba({rgb}, {alpha:.3f})"
-
-
-def sentence_html(words: list[str], values: list[float], scale: float, polarity: int = 1) -> str:
-    """One training sentence as ``<span title=score>`` tokens, shaded by ``polarity × score``."""
-    spans = [
-        f'<span class="tok" style="background:{shade(polarity * v, scale)}" '
-        f'title="{html.escape(w)}: {v:+.4g}">{html.escape(w)}</span>'
-        for w, v in zip(words, values)
-    ]
-    return " ".join(spans)
-
-
-def render(score, train_text: dict, query_ids: list[str], top_k: int, method: str) -> str:
-    """The HTML page: per query, its top-``k`` proponents with shaded tokens."""
-    # {query id: [(train id, sequence score), ...]}, most helpful first (``polarity`` applied).
-    proponents = score.top_k(top_k, test_ids=query_ids)
-    sections = []
-    for (topic, query), query_id in zip(QUERIES, query_ids):
-        rows = []
-        for train_hash, value in proponents[query_id]:
-            train_topic, sentence = train_text[train_hash]
-            positions, per_pos = score.token_scores(train_hash)
-            words = sentence.split()[:MAX_LEN]
-            contributions = dict(zip(positions, per_pos[:, score.test_index[query_id]].tolist()))
-            values = [contributions.get(t, 0.0) for t in range(len(words))]
-            scale = max((abs(v) for v in values), default=0.0)
-            rows.append(
-                f"<li><b>{value:+.4g}</b> [{html.escape(train_topic)}] "
-                f"{sentence_html(words, values, scale, score.polarity)}</li>"
-            )
-        sections.append(
-            f"<h2>query [{html.escape(topic)}]: {html.escape(query)}</h2><ol>{''.join(rows)}</ol>"
-        )
-    return (
-        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
-        f"<title>token attribution ({method})</title><style>"
-        "body{font-family:sans-serif;max-width:60em;margin:2em auto}"
-        ".tok{padding:1px 3px;border-radius:3px}li{margin:.4em 0}"
-        "</style></head><body>"
-        f"<h1>Token-level attribution ({html.escape(method)})</h1>"
-        "<p>Each training token is shaded by its contribution to the sentence's score for the "
-        "query: <span class='tok' style='background:rgba(214,39,40,.8)'>supports</span> / "
-        "<span class='tok' style='background:rgba(31,119,180,.8)'>opposes</span>, intensity "
-        "relative to the sentence's largest contribution; hover a token for its score. The "
-        "token contributions of a sentence sum to its score.</p>"
-        f"{''.join(sections)}</body></html>"
-    )
+def checkpoint_epochs(epochs: int) -> set[int]:
+    """Up to ``TRACIN_CHECKPOINTS`` evenly spaced epoch ends, the last one included."""
+    return {
+        max(1, round(epochs * i / TRACIN_CHECKPOINTS)) for i in range(1, 1 + TRACIN_CHECKPOINTS)
+    }
 
 
 def main(argv: list[str] | None = None) -> Path:
-    """Train, attribute per token, write the HTML page; return its path."""
+    """Train, rank (and score tokens) with the method, write the HTML page; return its path."""
     options = parse_args(argv)
+    method = METHODS[options.method]
     torch.set_num_threads(1)  # a model this small runs fastest (and reproducibly) on one thread
     torch.manual_seed(SEED)
     pairs = [
@@ -177,15 +342,34 @@ def main(argv: list[str] | None = None) -> Path:
     tokenizer = WordTokenizer([s for _, s in pairs] + [q for _, q in QUERIES])
     train_set = [tokenizer.encode(s) for _, s in pairs]
     query_set = [tokenizer.encode(q) for _, q in QUERIES]
-    train_text = {hash_sample(x): pair for x, pair in zip(train_set, pairs)}
+    train_ids = [hash_sample(x) for x in train_set]
+    # One token string per input position; None hides the padding after the sentence.
+    train_tokens = {h: padded(s.split()[:MAX_LEN]) for h, (_, s) in zip(train_ids, pairs)}
+    train_labels = {h: topic for h, (topic, _) in zip(train_ids, pairs)}
+    query_text = {
+        hash_sample(q): f"[{topic}] {text}" for q, (topic, text) in zip(query_set, QUERIES)
+    }
+
     model = build_model(len(tokenizer.vocab) + 1)
-    train(model, train_set, epochs=options.epochs)
-    score = token_scores(options.method, model, train_set, query_set, options.damping)
-    page = render(score, train_text, [hash_sample(q) for q in query_set], options.top_k,
-                  options.method)  # fmt: skip
-    path = Path(options.output)
-    path.write_text(page, encoding="utf-8")
-    print(f"wrote {path} ({options.method}, {score.num_train} training sentences)")
+    plain_epochs = options.epochs - 1 if method.trains_last_epoch else options.epochs
+    keep = checkpoint_epochs(options.epochs) if method.checkpoints else set()
+    checkpoints = train(model, train_set, plain_epochs, keep)
+    with tempfile.TemporaryDirectory(prefix="token_attribution_") as work:
+        setup = Setup(model, train_set, query_set, options, Path(work), checkpoints or None)
+        result = method.run(setup)
+    path = write_token_report(
+        options.output,
+        result.ranking,
+        train_tokens,
+        k=options.top_k,
+        query_text=query_text,
+        token_score=result.token_score,
+        train_labels=train_labels,
+        title=f"Token-level attribution ({method.name})",
+        note=f"{len(train_set)} training sentences, {options.epochs} epoch(s). {result.note}",
+    )
+    shading = "shaded" if result.token_score is not None else "unshaded"
+    print(f"wrote {path} ({options.method}, {len(train_set)} training sentences, {shading})")
     return path
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -127,29 +128,76 @@ def load_example() -> ModuleType:
     """Import ``examples/attribution/token_attribution.py`` as a module."""
     spec = importlib.util.spec_from_file_location("token_attribution_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-def test_token_attribution_example_writes_html(tmp_path, monkeypatch, capsys):
-    """The example's quick setting (1 epoch, 4 sentences per topic) writes a shaded page."""
+SHADED = {"graddot", "gradcos", "tracin", "kfac", "ekfac"}
+QUICK = ["--epochs", "1", "--sentences-per-topic", "4", "--top-k", "2"]
+
+
+def run_example(tmp_path, monkeypatch, method: str) -> str:
+    """The page of the example's quick setting with ``--method method``."""
     pytest.importorskip("transformers")
     monkeypatch.setattr(sys, "path", list(sys.path))  # the example prepends examples/
     example = load_example()
+    assert list(example.METHODS) == list(NAMES)  # every method of the example is tested
     out = tmp_path / "tokens.html"
-    argv = ["--epochs", "1", "--sentences-per-topic", "4", "--top-k", "2", "--output", str(out)]
     threads = torch.get_num_threads()
     try:
-        assert example.main([*argv, "--method", "kfac"]) == out
+        assert example.main([*QUICK, "--output", str(out), "--method", method]) == out
     finally:
         torch.set_num_threads(threads)  # main() runs single-threaded
-    assert "(kfac, 20 training sentences)" in capsys.readouterr().out
-    page = out.read_text(encoding="utf-8")
-    assert page.startswith("<!DOCTYPE html>")
-    assert page.count("<h2>query [") == 10 and page.count("<li><b>") == 20
-    spans = page.count('<span class="tok"')
-    assert spans > 10 and page.count('title="') >= spans
+    return out.read_text(encoding="utf-8")
+
+
+def check_page(page: str, method: str) -> None:
+    """10 queries, 2 proponents each; shaded tokens that sum to the score, or unshaded ones."""
+    assert page.startswith("<!DOCTYPE html>") and page.endswith("</html>")
+    assert page.count("<h2>query: [") == 10
+    items = re.findall(r"<li><b>([^<]+)</b> (.*?)</li>", page)
+    assert len(items) == 20
+    if method not in SHADED:
+        assert "the tokens are shown unshaded" in page and "background" not in page
+        assert all('<span class="tok">' in tokens for _, tokens in items)
+        return
     assert "rgba(214, 39, 40" in page and "rgba(31, 119, 180" in page  # both signs shown
+    for value, tokens in items:
+        token_values = [float(v) for v in re.findall(r'title="[^"]*: ([-+][^"]+)"', tokens)]
+        assert token_values and tokens.count('<span class="tok"') == len(token_values)
+        # the token rows sum to the ranked sequence score (both printed to 4 digits)
+        total, scale = sum(token_values), sum(abs(v) for v in token_values)
+        assert abs(total - float(value)) <= 2e-3 * scale + 1e-6, (value, token_values)
+
+
+NAMES = {
+    "graddot": "Grad-Dot",
+    "gradcos": "Grad-Cos",
+    "tracin": "TracIn",
+    "kfac": "K-FAC",
+    "ekfac": "EK-FAC",
+    "lorif": "LoRIF",
+    "less": "LESS",
+    "trajectory-tracin": "trajectory TracIn",
+    "dvemb": "DVEmb",
+    "adamw-influence": "AdamW-influence",
+}
+
+
+@pytest.mark.parametrize("method", list(NAMES))
+def test_token_attribution_example_writes_html(tmp_path, monkeypatch, capsys, method):
+    """The quick setting (1 epoch, 4 sentences per topic) renders every method's top-k:
+    shaded where the method has token scores, else unshaded (well under 1 s a method once
+    the imports are warm)."""
+    page = run_example(tmp_path, monkeypatch, method)
+    shading = "shaded" if method in SHADED else "unshaded"
+    assert f"({method}, 20 training sentences, {shading})" in capsys.readouterr().out
+    assert f"<title>Token-level attribution ({NAMES[method]})</title>" in page
+    check_page(page, method)
+    if method == "adamw-influence":
+        assert "polarity -1: a more negative score is more helpful" in page
+        assert all(float(v) < 0 for v in re.findall(r"<li><b>([^<]+)</b>", page))
 
 
 def test_token_attribution_example_rejects_empty_corpus():

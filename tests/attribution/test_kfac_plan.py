@@ -92,7 +92,7 @@ def test_kept_rerun_and_part_kept_plans_score_identically(tmp_path, cls, method,
     blocks = N_TRAIN // BATCH
     assert plan["passes"] == passes and plan["source_passes"] == 1
     assert plan["kept_blocks"] == blocks and plan["recomputed_blocks"] == 0
-    assert plan["budget_bytes"] == DEFAULT_KEPT_GRADIENT_BUDGET
+    assert 0 < plan["budget_bytes"] <= DEFAULT_KEPT_GRADIENT_BUDGET  # min(1 GiB, share of free)
     block_bytes = plan["kept_bytes"] // blocks
     _close(kept.scores, expected)
 
@@ -310,3 +310,31 @@ def test_bad_budget_is_refused(tmp_path, bad):
     model, train, test = _setup()
     with pytest.raises(ValueError, match="kept_gradient_budget must be None"):
         _attribute(tmp_path, KFACAttributor, model, train, test, bad)
+
+
+def test_default_budget_is_a_share_of_free_memory_capped_at_one_gib(monkeypatch):
+    from dattri_llm.attribution.algorithm.kronecker import plan as plan_module
+
+    free = {"bytes": 100 << 20}
+    monkeypatch.setattr(plan_module, "free_memory_bytes", lambda device=None: free["bytes"])
+    share = plan_module.KEPT_BUDGET_FREE_FRACTION
+    assert plan_module.resolve_kept_budget(None) == int(share * (100 << 20))
+    assert plan_module.resolve_kept_budget(None, "cuda:0") == int(share * (100 << 20))
+    free["bytes"] = 64 << 30  # plenty free: the 1 GiB cap
+    assert plan_module.resolve_kept_budget(None) == DEFAULT_KEPT_GRADIENT_BUDGET
+    free["bytes"] = None  # unknown: the fixed value
+    assert plan_module.resolve_kept_budget(None) == DEFAULT_KEPT_GRADIENT_BUDGET
+    free["bytes"] = 1 << 20
+    assert plan_module.resolve_kept_budget(12345) == 12345  # an explicit int is honoured
+    assert plan_module.resolve_kept_budget(0) == 0
+
+
+def test_attribute_resolves_the_default_budget_from_free_memory(tmp_path, monkeypatch):
+    from dattri_llm.attribution.algorithm.kronecker import plan as plan_module
+
+    model, train, test = _setup()
+    monkeypatch.setattr(plan_module, "free_memory_bytes", lambda device=None: 4000)
+    score = _attribute(tmp_path, KFACAttributor, model, train, test, None)
+    assert score.algorithm_meta["pass_plan"]["budget_bytes"] == int(
+        plan_module.KEPT_BUDGET_FREE_FRACTION * 4000
+    )

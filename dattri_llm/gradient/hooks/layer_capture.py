@@ -42,7 +42,13 @@ from dattri_llm.gradient.ops.projection import (
 )
 from dattri_llm.gradient.ops.types import is_conv, is_conv_transpose, is_embedding, is_linear
 
-__all__ = ["Capture", "LayerBuffer", "LayerCapture", "current_forward_token"]
+__all__ = [
+    "Capture",
+    "LayerBuffer",
+    "LayerCapture",
+    "auto_materialize",
+    "current_forward_token",
+]
 
 LayerBuffer = dict
 
@@ -414,7 +420,7 @@ class LayerCapture:
             return self._dense(entry, self._preconditioned(raw))
         if self.projection is not None:
             return self._projected(entry, raw)
-        if self._decide(lambda: _auto_materialize(raw, self.layer_type)):
+        if self._decide(lambda: auto_materialize(raw, self.layer_type)):
             return self._dense(entry, materialize(raw, self.layer_type))
         indexing = "batch_token" if a.ndim >= 3 or _is_integer(a) else "batch"
         return Capture(entry.seq, entry.device, raw, "factorized", self.layer_type, indexing)
@@ -472,8 +478,11 @@ class LayerCapture:
         return Capture(entry.seq, entry.device, dense, "materialized", self.layer_type, "batch")
 
 
-def _auto_materialize(f: Any, layer_type: str) -> bool:
-    """``"auto"`` capture rule for unprojected factors (embeddings always stay factorized)."""
+def auto_materialize(f: Any, layer_type: str) -> bool:
+    """``"auto"`` capture rule for unprojected factors (embeddings always stay factorized).
+
+    Reads only shapes (:func:`effective_dims`), so meta factors work (the run plan).
+    """
     if is_embedding(layer_type):
         return False
     _, seq_len, k_in, k_out = effective_dims(f.as_batch_first(), layer_type)

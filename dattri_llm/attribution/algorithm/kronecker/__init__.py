@@ -47,6 +47,12 @@ from dattri_llm.attribution.algorithm.kronecker.persistence import FISHER_FILE a
 from dattri_llm.attribution.algorithm.kronecker.plan import (
     DEFAULT_KEPT_GRADIENT_BUDGET as DEFAULT_KEPT_GRADIENT_BUDGET,
 )
+from dattri_llm.attribution.algorithm.kronecker.plan import (
+    KEPT_BUDGET_FREE_FRACTION as KEPT_BUDGET_FREE_FRACTION,
+)
+from dattri_llm.attribution.algorithm.kronecker.plan import (
+    default_kept_budget as default_kept_budget,
+)
 from dattri_llm.attribution.algorithm.kronecker.recorded import (
     COVARIANCES_FILE as COVARIANCES_FILE,
 )

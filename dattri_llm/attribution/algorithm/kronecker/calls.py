@@ -282,7 +282,8 @@ class KroneckerCalls:
         Residency ``None`` (live): the first pass over the training set keeps
         the longest suffix of its gradient blocks that fits
         ``kept_gradient_budget`` bytes (extension; ``None`` =
-        ``DEFAULT_KEPT_GRADIENT_BUDGET``, 1 GiB; 0 keeps nothing) and the later
+        ``min(1 GiB, KEPT_BUDGET_FREE_FRACTION`` of the compute device's free
+        memory), see ``plan.default_kept_budget``; 0 keeps nothing) and the later
         passes (EK-FAC eigenvalues, scoring) re-run the model only for the
         blocks before it; the scores do not depend on the budget. Otherwise each
         side is collected once (with ``covariances_at_capture`` a
@@ -298,7 +299,7 @@ class KroneckerCalls:
             "covariances_at_capture": covariances_at_capture,
         }
         self._start_call(options, None, None)
-        budget = resolve_kept_budget(kept_gradient_budget)
+        budget = resolve_kept_budget(kept_gradient_budget, self.args.device)
         require_factors_or_capture_covariances(hook_config, covariances_at_capture, self.algorithm)
         self._collect_covariances = covariances_at_capture and gradient_cache_residency is not None
         self._recorder = self._recorded = None

@@ -18,25 +18,48 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from dattri_llm.utils.distributed import all_gather_objects
+from dattri_llm.utils.memory import free_memory_bytes
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.model.container import Gradient
     from dattri_llm.gradient.stream.source import GradientSource
 
-DEFAULT_KEPT_GRADIENT_BUDGET = 1 << 30  # 1 GiB: fixed, independent of the free memory
+DEFAULT_KEPT_GRADIENT_BUDGET = 1 << 30  # 1 GiB: the default budget's cap
+# share of the free memory of the device holding the kept blocks the default may take
+KEPT_BUDGET_FREE_FRACTION = 0.25
 
 StreamBatch = tuple[int, "Gradient", list[str]]
 
 
-def resolve_kept_budget(budget: int | None) -> int:
-    """Budget in bytes: ``None`` → :data:`DEFAULT_KEPT_GRADIENT_BUDGET`; < 0 → ``ValueError``."""
-    if budget is None:
+def default_kept_budget(device: torch.device | str | None = None) -> int:
+    """The default budget: ``min(1 GiB, KEPT_BUDGET_FREE_FRACTION × free memory of device)``.
+
+    ``device`` holds the kept blocks (the compute device; ``None``: the CPU).
+    Free memory is available RAM on the CPU and ``torch.cuda.mem_get_info`` on
+    CUDA (:func:`~dattri_llm.utils.memory.free_memory_bytes`); when it is
+    unknown the default is :data:`DEFAULT_KEPT_GRADIENT_BUDGET`.
+    """
+    free = free_memory_bytes(device)
+    if free is None:
         return DEFAULT_KEPT_GRADIENT_BUDGET
+    return max(0, min(DEFAULT_KEPT_GRADIENT_BUDGET, int(KEPT_BUDGET_FREE_FRACTION * free)))
+
+
+def resolve_kept_budget(budget: int | None, device: torch.device | str | None = None) -> int:
+    """Budget in bytes: ``None`` → :func:`default_kept_budget` of ``device``; an int as given.
+
+    A negative or non-int budget → ``ValueError``.
+    """
+    if budget is None:
+        return default_kept_budget(device)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise ValueError(
-            f"kept_gradient_budget must be None (the default of {DEFAULT_KEPT_GRADIENT_BUDGET} "
-            f"bytes) or an int >= 0 of bytes (0 re-runs the model for every pass), got {budget!r}."
+            f"kept_gradient_budget must be None (the default: min({DEFAULT_KEPT_GRADIENT_BUDGET} "
+            f"bytes, {KEPT_BUDGET_FREE_FRACTION} x the free memory)) or an int >= 0 of bytes "
+            f"(0 re-runs the model for every pass), got {budget!r}."
         )
     return budget
 

@@ -65,3 +65,19 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     """Write ``rows`` as JSON lines; return ``path``."""
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
+
+
+def capture_argv(paths, output_dir, *extra):
+    """The flags of a capture of the shared corpus into ``output_dir``."""
+    return [
+        "capture",
+        "--model", str(paths["model"]),
+        "--train_data", str(paths["train"]),
+        "--query_data", str(paths["query"]),
+        "--linear_io", r"^transformer\.h\.",
+        "--per_device_train_batch_size", "4",
+        "--use_cpu",
+        "--quiet",
+        "--output_dir", str(output_dir),
+        *extra,
+    ]  # fmt: skip

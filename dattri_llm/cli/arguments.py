@@ -31,7 +31,7 @@ METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", "lorif")
 
 @dataclass
 class RunArguments:
-    """How a command runs (not recorded in the written ``config.yaml``)."""
+    """How a command runs (not recorded in the written `config.yaml`)."""
 
     config: str | None = field(
         default=None,

@@ -43,7 +43,9 @@ def run_capture(
     quiet: bool,
 ) -> dict[str, Any]:
     """Capture both sets into ``staging``; return a short summary."""
-    model, tokenizer = load_model(model_args)
+    records = {"train": load_records(data_args.train_data)}
+    records["query"] = load_records(data_args.query_data)
+    model, tokenizer = load_model(model_args, quiet=quiet)
     hook_config = capture_args.hook_config()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the capture below warns once, where it matters
@@ -51,8 +53,8 @@ def run_capture(
     if not layers:
         raise CLIError("the layer selection captures no layer of this model")
     sets = {}
-    for name, path in (("train", data_args.train_data), ("query", data_args.query_data)):
-        sets[name] = tokenize(load_records(path), tokenizer, data_args, name)
+    for name, rows in records.items():
+        sets[name] = tokenize(rows, tokenizer, data_args, name)
     for name, tokenized in sets.items():
         _write_samples(staging / SAMPLE_FILES[name], tokenized)
     attributor = TracInAttributor(

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from dattri_llm.cli.arguments import ModelArguments
 from dattri_llm.cli.data import model_inputs
@@ -20,8 +21,14 @@ from dattri_llm.cli.errors import CLIError
 __all__ = ["causal_lm_loss", "load_model"]
 
 
-def load_model(args: ModelArguments) -> tuple[torch.nn.Module, Any]:
-    """``(model in eval mode, tokenizer)`` from a Hub id or a local directory."""
+def load_model(args: ModelArguments, *, quiet: bool = False) -> tuple[torch.nn.Module, Any]:
+    """``(model in eval mode, tokenizer)`` from a Hub id or a local directory.
+
+    ``quiet`` hides the loading bars of ``transformers`` for the call.
+    """
+    bars = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             args.tokenizer or args.model, trust_remote_code=args.trust_remote_code
@@ -32,6 +39,9 @@ def load_model(args: ModelArguments) -> tuple[torch.nn.Module, Any]:
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CLIError(f"cannot load model {args.model!r}: {first}") from err
+    finally:
+        if quiet and bars:
+            hf_logging.enable_progress_bar()
     model.eval()
     return model, tokenizer
 

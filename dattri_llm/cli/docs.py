@@ -7,6 +7,7 @@ so the page cannot drift from the options (``tests/cli`` compares them).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 from dattri_llm.cli.arguments import COMMANDS, RunArguments
@@ -64,13 +65,22 @@ def _default(field: dataclasses.Field) -> str:
     return "**required**"
 
 
+def _annotation(cls: type, name: str) -> str:
+    """A field's type as written (``HfArgumentParser`` replaces ``Field.type`` in place)."""
+    for klass in cls.__mro__:
+        written = inspect.get_annotations(klass)
+        if name in written:
+            return str(written[name])
+    return "?"
+
+
 def _table(cls: type) -> list[str]:
     doc = (cls.__doc__ or "").strip().splitlines()[0]
     lines = [f"#### `{cls.__name__}`", "", doc, "", "| option | type | default | meaning |"]
     lines.append("|---|---|---|---|")
     for field in dataclasses.fields(cls):
         meaning = " ".join(str(field.metadata.get("help", "")).split()).replace("|", "\\|")
-        kind = str(field.type).replace("|", "\\|")
+        kind = _annotation(cls, field.name).replace("|", "\\|")
         lines.append(f"| `--{field.name}` | `{kind}` | {_default(field)} | {meaning} |")
     return lines + [""]
 

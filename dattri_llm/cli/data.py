@@ -1,0 +1,133 @@
+"""Data loading: a local file or saved dataset → tokenized samples ready to stream.
+
+Accepted: a ``.jsonl`` / ``.json`` file (one object a line, or a list of
+objects), a ``.txt`` file (one sample a line, field ``text``), a ``.parquet``
+file, or a ``datasets.save_to_disk`` directory. Each sample becomes
+``{"input_ids", "attention_mask", "labels"}`` right-padded to the longest
+sample of its set; padding and, with a prompt/completion pair, the prompt's
+tokens get label ``-100`` (no loss). Identifiers are the library's content
+hashes of the model inputs (``input_ids`` and ``attention_mask``), so they equal
+the ids the stores record.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+
+from dattri_llm.cli.arguments import DataArguments
+from dattri_llm.cli.errors import CLIError
+from dattri_llm.utils.hashing import hash_sample, occurrence_ids
+
+__all__ = ["TokenizedSet", "load_records", "tokenize"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TokenizedSet:
+    """One set's samples (padded tensors), identifiers and texts, in file order."""
+
+    samples: list[dict[str, torch.Tensor]]
+    ids: list[str]
+    texts: list[dict[str, str]]
+
+
+def load_records(path: str) -> list[dict[str, Any]]:
+    """The records of a local data file or a ``save_to_disk`` directory."""
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise CLIError(f"data file {source} not found")
+    if source.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(source))
+        except (FileNotFoundError, ValueError) as err:
+            raise CLIError(f"{source} is not a datasets.save_to_disk directory: {err}") from err
+        if isinstance(loaded, datasets.DatasetDict):
+            raise CLIError(
+                f"{source} holds a DatasetDict with splits {list(loaded)}; point at one split"
+            )
+        return [dict(row) for row in loaded]
+    suffix = source.suffix.lower()
+    if suffix == ".parquet":
+        return [dict(row) for row in datasets.Dataset.from_parquet(str(source))]
+    text = source.read_text(encoding="utf-8")
+    if suffix == ".txt":
+        return [{"text": line} for line in text.splitlines() if line.strip()]
+    if suffix in (".jsonl", ".json"):
+        return _json_records(source, text)
+    raise CLIError(f"{source}: unknown data format {suffix!r}; use .jsonl, .json, .txt or .parquet")
+
+
+def _json_records(source: Path, text: str) -> list[dict[str, Any]]:
+    stripped = text.lstrip()
+    try:
+        if stripped.startswith("["):
+            records = json.loads(stripped)
+        else:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as err:
+        raise CLIError(f"{source} is not valid JSON lines: {err}") from err
+    if not all(isinstance(r, dict) for r in records):
+        raise CLIError(f"{source}: every record must be a JSON object")
+    return records
+
+
+def _field(record: dict[str, Any], name: str, where: str) -> str:
+    if name not in record:
+        raise CLIError(
+            f"{where}: no field {name!r} (fields: {sorted(record)}); set --text_field "
+            "or --prompt_field/--completion_field"
+        )
+    return str(record[name])
+
+
+def tokenize(
+    records: list[dict[str, Any]], tokenizer: Any, args: DataArguments, name: str
+) -> TokenizedSet:
+    """Token ids, attention masks and labels of ``records`` (``name``: the set, for errors)."""
+    if not records:
+        raise CLIError(f"the {name} set is empty")
+    rows, texts = [], []
+    for i, record in enumerate(records):
+        where = f"{name} record {i}"
+        if args.prompt_field is not None:
+            prompt = _field(record, args.prompt_field, where)
+            completion = _field(record, args.completion_field, where)
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+            ids = (prompt_ids + completion_ids)[: args.max_length]
+            labels = ([IGNORE_INDEX] * len(prompt_ids) + completion_ids)[: args.max_length]
+            texts.append({"prompt": prompt, "completion": completion})
+        else:
+            text = _field(record, args.text_field, where)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.max_length]
+            labels = list(ids)
+            texts.append({"text": text})
+        if len(ids) < 2 or all(label == IGNORE_INDEX for label in labels[1:]):
+            raise CLIError(f"{where} has no token to score (needs 2+ tokens, one not masked)")
+        rows.append((ids, labels))
+    width = max(len(ids) for ids, _ in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    samples = []
+    for ids, labels in rows:
+        fill = width - len(ids)
+        samples.append(
+            {
+                "input_ids": torch.tensor(ids + [pad] * fill),
+                "attention_mask": torch.tensor([1] * len(ids) + [0] * fill),
+                "labels": torch.tensor(labels + [IGNORE_INDEX] * fill),
+            }
+        )
+    ids = occurrence_ids([hash_sample(model_inputs(s)) for s in samples])
+    return TokenizedSet(samples, ids, texts)
+
+
+def model_inputs(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fields the model is called with (what a sample's identifier hashes)."""
+    return {"input_ids": sample["input_ids"], "attention_mask": sample["attention_mask"]}

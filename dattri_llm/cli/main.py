@@ -1,0 +1,110 @@
+"""``dattri-llm <command> [options]``: parse, run in a staged output directory, report.
+
+Each command's failures that a user can fix (a bad flag, a missing file, a
+store that does not fit the method, a layer pattern that matches nothing)
+print one line, ``dattri-llm <command>: error: <message>``, and exit non-zero
+(2 for usage errors, 1 otherwise) with no finished-looking output directory.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.cli.arguments import COMMANDS, RunArguments
+from dattri_llm.cli.attribute import run_attribute
+from dattri_llm.cli.capture import run_capture
+from dattri_llm.cli.errors import CLIError
+from dattri_llm.cli.output import check_output_dir, staged_output
+from dattri_llm.cli.parsing import parse, resolved_config
+from dattri_llm.cli.topk import run_top_k
+
+__all__ = ["main"]
+
+USAGE = "usage: dattri-llm {" + ",".join(COMMANDS) + "} [options]  (dattri-llm <command> --help)"
+# What the library and the file system raise for input a user can fix.
+USER_ERRORS = (
+    CLIError,
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    NotImplementedError,
+    OSError,
+    yaml.YAMLError,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; return 0, or raise ``SystemExit`` with a one-line message on stderr."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        for name, (description, _) in COMMANDS.items():
+            print(f"  {name:<10} {description}")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        return _fail(
+            "dattri-llm", f"unknown command {command!r}; choose one of {list(COMMANDS)}", 2
+        )
+    try:
+        _run(command, rest)
+    except USER_ERRORS as err:
+        code = err.code if isinstance(err, CLIError) else 1
+        return _fail(f"dattri-llm {command}", _one_line(err), code)
+    return 0
+
+
+def _run(command: str, argv: list[str]) -> None:
+    parsed = parse(command, argv)
+    run = next(p for p in parsed if isinstance(p, RunArguments))
+    args = next(p for p in parsed if isinstance(p, AttributionArguments))
+    final = check_output_dir(args.output_dir, run.overwrite)
+    args.output_dir = str(final)
+    _absolute_paths(parsed)
+    options = [p for p in parsed if not isinstance(p, (RunArguments, AttributionArguments))]
+    with staged_output(final, resolved_config(command, parsed)) as staging:
+        if command == "capture":
+            summary = run_capture(staging, args, *options, quiet=run.quiet)
+            message = (
+                f"captured {summary['train']} training and {summary['query']} query "
+                f"samples over {summary['layers']} layers"
+            )
+        elif command == "attribute":
+            summary = run_attribute(staging, args, *options, quiet=run.quiet)
+            message = (
+                f"{summary['algorithm']}: {summary['rows']} training rows x "
+                f"{summary['queries']} queries"
+            )
+        else:
+            message = run_top_k(staging, args, *options, quiet=run.quiet)
+    print(message)
+    if command != "top-k":
+        print(f"written to {final}")
+
+
+def _absolute_paths(parsed: tuple[Any, ...]) -> None:
+    """Local paths of the run made absolute, so its config replays from any directory."""
+    for instance in parsed:
+        for name in ("train_data", "query_data", "store", "model", "tokenizer"):
+            value = getattr(instance, name, None)
+            if isinstance(value, str) and Path(value).expanduser().exists():
+                setattr(instance, name, str(Path(value).expanduser().absolute()))
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if isinstance(err, CLIError) else f"{type(err).__name__}: {text}"
+
+
+def _fail(prog: str, message: str, code: int) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

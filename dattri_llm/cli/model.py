@@ -1,0 +1,57 @@
+"""Model loading and the causal-LM loss the capture streams.
+
+The loss of a batch is the sum over its samples of each sample's mean
+next-token loss over its scored tokens (labels other than ``-100``), so every
+captured per-sample gradient is the gradient of that sample's own loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from dattri_llm.cli.arguments import ModelArguments
+from dattri_llm.cli.data import model_inputs
+from dattri_llm.cli.errors import CLIError
+
+__all__ = ["causal_lm_loss", "load_model"]
+
+
+def load_model(args: ModelArguments, *, quiet: bool = False) -> tuple[torch.nn.Module, Any]:
+    """``(model in eval mode, tokenizer)`` from a Hub id or a local directory.
+
+    ``quiet`` hides the loading bars of ``transformers`` for the call.
+    """
+    bars = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            args.tokenizer or args.model, trust_remote_code=args.trust_remote_code
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, trust_remote_code=args.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CLIError(f"cannot load model {args.model!r}: {first}") from err
+    finally:
+        if quiet and bars:
+            hf_logging.enable_progress_bar()
+    model.eval()
+    return model, tokenizer
+
+
+def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Σ over the batch of each sample's mean next-token loss (labels ``-100`` ignored)."""
+    logits = model(**model_inputs(batch)).logits[:, :-1]
+    targets = batch["labels"][:, 1:]
+    token_loss = F.cross_entropy(
+        logits.transpose(1, 2).float(), targets, reduction="none", ignore_index=-100
+    )
+    counted = (targets != -100).sum(1).clamp(min=1)
+    return (token_loss.sum(1) / counted).sum()

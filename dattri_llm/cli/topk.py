@@ -1,0 +1,89 @@
+"""``dattri-llm top-k``: each query's k best training samples, as a table or JSON.
+
+Streams the training store once (``top_k_from_cache``, no score matrix) and
+writes ``top_k.json`` and ``top_k.txt`` to the output directory; the chosen
+``--format`` is printed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.cli.arguments import MethodArguments, StoreArguments, TopKArguments
+from dattri_llm.cli.methods import build_attributor
+from dattri_llm.cli.stores import capture_stores, sample_texts
+
+__all__ = ["render_text", "run_top_k"]
+
+
+def run_top_k(
+    staging: Path,
+    args: AttributionArguments,
+    store_args: StoreArguments,
+    method_args: MethodArguments,
+    top_args: TopKArguments,
+    *,
+    quiet: bool,
+) -> str:
+    """Rank into ``staging``; return the text to print."""
+    train_dir, query_dir = capture_stores(store_args.store)
+    attributor, options = build_attributor(
+        dataclasses.replace(args, output_dir=str(staging)), method_args
+    )
+    top = attributor.top_k_from_cache(
+        train_dir,
+        query_dir,
+        top_args.k,
+        proponents=not top_args.opponents,
+        verbose=not quiet,
+        **options,
+    )
+    train_text = sample_texts(store_args.store, "train")
+    query_text = sample_texts(store_args.store, "query")
+    result = {
+        "algorithm": top.algorithm,
+        "proponents": top.proponents,
+        "polarity": top.polarity,
+        "k": top.k,
+        "queries": [
+            {
+                "id": query_id,
+                "text": query_text.get(query_id),
+                "top": [
+                    {
+                        "rank": rank,
+                        "train_id": train_id,
+                        "score": value,
+                        "text": train_text.get(train_id),
+                    }
+                    for rank, (train_id, value) in enumerate(ranked, start=1)
+                ],
+            }
+            for query_id, ranked in top.as_dict().items()
+        ],
+    }
+    as_json = json.dumps(result, indent=2, ensure_ascii=False)
+    as_text = render_text(result)
+    (staging / "top_k.json").write_text(as_json + "\n", encoding="utf-8")
+    (staging / "top_k.txt").write_text(as_text + "\n", encoding="utf-8")
+    return as_json if top_args.format == "json" else as_text
+
+
+def render_text(result: dict[str, Any]) -> str:
+    """A plain-text table: per query, its rank, score, training id and text."""
+    kind = "proponents" if result["proponents"] else "opponents"
+    lines = [f"{result['algorithm']}: top {result['k']} {kind} per query"]
+    for number, query in enumerate(result["queries"], start=1):
+        label = query["text"] if query["text"] is not None else query["id"]
+        lines += ["", f"query {number}: {label}"]
+        lines.append(f"  {'rank':>4}  {'score':>12}  {'train id':<12}  text")
+        for row in query["top"]:
+            text = row["text"] if row["text"] is not None else ""
+            lines.append(
+                f"  {row['rank']:>4}  {row['score']:>+12.5g}  {row['train_id'][:12]:<12}  {text}"
+            )
+    return "\n".join(lines)

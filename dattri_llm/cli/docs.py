@@ -37,7 +37,8 @@ place when it finishes: a failed run leaves no output directory, and an
 existing non-empty one is refused unless `--overwrite`. A mistake (a bad flag,
 a missing file, a directory that is not a capture, a layer pattern that matches
 nothing) prints one line, `dattri-llm <command>: error: ...`, and exits
-non-zero (2 for usage errors).
+non-zero (2 for usage errors). With `DATTRI_LLM_TRACEBACK=1` set it raises
+the error with its full traceback instead.
 
 What each command writes:
 

@@ -4,10 +4,13 @@ Each command's failures that a user can fix (a bad flag, a missing file, a
 store that does not fit the method, a layer pattern that matches nothing)
 print one line, ``dattri-llm <command>: error: <message>``, and exit non-zero
 (2 for usage errors, 1 otherwise) with no finished-looking output directory.
+``DATTRI_LLM_TRACEBACK=1`` re-raises instead, with the full traceback (a
+``TypeError`` or ``OSError`` may also be a bug worth reporting).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,8 @@ from dattri_llm.cli.topk import run_top_k
 __all__ = ["main"]
 
 USAGE = "usage: dattri-llm {" + ",".join(COMMANDS) + "} [options]  (dattri-llm <command> --help)"
+# Set (to anything but "0") to get the full traceback instead of the one-line message.
+TRACEBACK_ENV = "DATTRI_LLM_TRACEBACK"
 # What the library and the file system raise for input a user can fix.
 USER_ERRORS = (
     CLIError,
@@ -54,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _run(command, rest)
     except USER_ERRORS as err:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
         code = err.code if isinstance(err, CLIError) else 1
         return _fail(f"dattri-llm {command}", _one_line(err), code)
     return 0

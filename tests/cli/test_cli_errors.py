@@ -9,6 +9,7 @@ import pytest
 from cli_helpers import capture_argv
 
 from dattri_llm.cli import main
+from dattri_llm.cli.errors import CLIError
 
 
 def fails(argv, capsys, code=1):
@@ -43,6 +44,13 @@ def test_bad_value_and_unknown_method(workspace, tmp_path, capsys):
     )
     assert "invalid int value" in fails(["top-k", *store, "--k", "many"], capsys, code=2)
     nothing_written(out)
+
+
+def test_traceback_on_request(workspace, tmp_path, monkeypatch):
+    monkeypatch.setenv("DATTRI_LLM_TRACEBACK", "1")
+    store = ["--store", str(workspace["capture"]), "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(CLIError, match="unknown --method .pagerank."):
+        main(["attribute", *store, "--method", "pagerank"])
 
 
 def test_unknown_command(capsys):

@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+from dattri_llm.cli import main
 
 TRAIN = [
     "preheat the oven and mix the flour with sugar and butter",
@@ -81,3 +84,19 @@ def capture_argv(paths, output_dir, *extra):
         "--output_dir", str(output_dir),
         *extra,
     ]  # fmt: skip
+
+
+def fails(argv, capsys, code=1):
+    """Run ``main(argv)``; assert it exits ``code``; return its one stderr line."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def nothing_written(out):
+    """No output directory and no partial sibling left behind."""
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]

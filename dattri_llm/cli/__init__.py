@@ -1,4 +1,4 @@
-"""The ``dattri-llm`` command line: ``capture``, ``attribute`` and ``top-k``.
+"""The ``dattri-llm`` command line: plan, capture, fit, attribute, top-k and report.
 
 The top layer of the package: it imports the attribution and gradient tiers,
 and nothing imports it (``import dattri_llm`` does not load it). It needs the

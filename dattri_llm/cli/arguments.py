@@ -16,17 +16,22 @@ from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 
 __all__ = [
     "COMMANDS",
+    "FIT_METHODS",
     "METHODS",
     "CaptureArguments",
     "DataArguments",
     "MethodArguments",
     "ModelArguments",
+    "PlanArguments",
+    "PlanDataArguments",
+    "ReportArguments",
     "RunArguments",
     "StoreArguments",
     "TopKArguments",
 ]
 
 METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", "lorif")
+FIT_METHODS = ("kfac", "ekfac", "lorif")  # the methods whose fit `dattri-llm fit` persists
 
 
 @dataclass
@@ -43,7 +48,16 @@ class RunArguments:
     overwrite: bool = field(
         default=False, metadata={"help": "Replace an existing, finished output directory."}
     )
-    quiet: bool = field(default=False, metadata={"help": "No progress bars."})
+    quiet: bool = field(
+        default=False, metadata={"help": "No progress bars, and no run plan printed."}
+    )
+    force: bool = field(
+        default=False,
+        metadata={
+            "help": "capture / attribute / fit: start even when the run plan says the stores "
+            "or the fit do not fit the free disk or memory (or the plan cannot be made)."
+        },
+    )
 
 
 @dataclass
@@ -98,6 +112,22 @@ class DataArguments:
 
 
 @dataclass
+class PlanDataArguments(DataArguments):
+    """The data of a plan: the files of `DataArguments` (both optional here) or bare sizes."""
+
+    train_data: str | None = field(
+        default=None,
+        metadata={
+            "help": "Training set file (as for capture): its samples and token lengths are "
+            "counted with the tokenizer. Without it: --num_train."
+        },
+    )
+    query_data: str | None = field(
+        default=None, metadata={"help": "Query set file (as for capture). Without it: --num_test."}
+    )
+
+
+@dataclass
 class CaptureArguments:
     """Which layers are captured, as `HookManagerConfig` selectors (regexes, re.search)."""
 
@@ -120,6 +150,28 @@ class CaptureArguments:
         default="factorized",
         metadata={"help": "factorized | materialized | auto: how linear_io layers are stored."},
     )
+    proj_dim: int | None = field(
+        default=None,
+        metadata={
+            "help": "Project every linear_io layer's captured gradient to this size "
+            "(default: no projection)."
+        },
+    )
+    proj_style: str = field(
+        default="logra",
+        metadata={"help": "logra | dense | mask: the projection style (with --proj_dim)."},
+    )
+
+    def __post_init__(self) -> None:
+        """``ValueError`` for a bad projection size."""
+        if self.proj_dim is not None and self.proj_dim < 1:
+            raise ValueError(f"--proj_dim must be >= 1, got {self.proj_dim}")
+
+    def projection(self) -> dict[str, dict] | None:
+        """The ``projection_kwargs`` of the options (``None`` without ``--proj_dim``)."""
+        if self.proj_dim is None:
+            return None
+        return {"__default__": {"proj_dim": self.proj_dim, "style": self.proj_style}}
 
     def hook_config(self) -> HookManagerConfig:
         """The equivalent `HookManagerConfig`."""
@@ -133,6 +185,7 @@ class CaptureArguments:
             linear_io=selector(self.linear_io),
             param_grad=selector(self.param_grad),
             capture_style=self.capture_style,
+            projection_kwargs=self.projection(),
         )
 
 
@@ -166,6 +219,13 @@ class MethodArguments:
     lorif_svd_rank: int | None = field(
         default=None, metadata={"help": "lorif: singular directions kept per layer (all)."}
     )
+    fit: str | None = field(
+        default=None,
+        metadata={
+            "help": "kfac / ekfac / lorif: the output directory of `dattri-llm fit` whose fit "
+            "is reused (no pass over the training store for the curvature)."
+        },
+    )
 
     def __post_init__(self) -> None:
         """``ValueError`` for an unknown method."""
@@ -192,10 +252,101 @@ class TopKArguments:
             raise ValueError(f"--format must be text or json, got {self.format!r}")
 
 
+@dataclass
+class PlanArguments:
+    """What the plan reads besides the model and data, and how it is printed."""
+
+    config_only: bool = field(
+        default=False,
+        metadata={
+            "help": "Plan from the model's config.json alone (no weights loaded); also "
+            "the case whenever --model holds no weight file."
+        },
+    )
+    num_train: int | None = field(
+        default=None, metadata={"help": "Training records, when there is no --train_data."}
+    )
+    num_test: int | None = field(
+        default=None, metadata={"help": "Query records, when there is no --query_data."}
+    )
+    seq_len: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tokens per record, when neither --train_data nor --query_data is given."
+        },
+    )
+    probe: bool = field(
+        default=False,
+        metadata={
+            "help": "Time a real captured forward+backward of one batch (needs the weights) "
+            "so the plan has an estimated time."
+        },
+    )
+    format: str = field(default="text", metadata={"help": "text | json (what is printed)."})
+
+    def __post_init__(self) -> None:
+        """``ValueError`` for a bad size, format or ``--probe`` with ``--config_only``."""
+        for name in ("num_train", "num_test", "seq_len"):
+            value = getattr(self, name)
+            low = 0 if name == "num_test" else 1
+            if value is not None and value < low:
+                raise ValueError(f"--{name} must be >= {low}, got {value}")
+        if self.format not in ("text", "json"):
+            raise ValueError(f"--format must be text or json, got {self.format!r}")
+        if self.probe and self.config_only:
+            raise ValueError("--probe runs the model and needs its weights; drop --config_only")
+
+
+@dataclass
+class ReportArguments:
+    """How many training samples per query the report shows, and what else it writes."""
+
+    k: int = field(default=5, metadata={"help": "Training samples per query."})
+    opponents: bool = field(
+        default=False, metadata={"help": "The most harmful samples instead of the most helpful."}
+    )
+    format: str = field(
+        default="html",
+        metadata={
+            "help": "html | text | json: besides report.html, also write (and print) the "
+            "top-k table as top_k.txt or top_k.json."
+        },
+    )
+    shade: bool = field(
+        default=True,
+        metadata={
+            "help": "Shade each token by the method's token-granularity score (factorized "
+            "stores only; otherwise the tokens are shown unshaded and the page says so)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        """``ValueError`` for a bad ``k`` or format."""
+        if self.k < 1:
+            raise ValueError(f"--k must be >= 1, got {self.k}")
+        if self.format not in ("html", "text", "json"):
+            raise ValueError(f"--format must be html, text or json, got {self.format!r}")
+
+
 COMMANDS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "plan": (
+        "Predict a run's stores, fit and scoring memory and passes before running it.",
+        (
+            ModelArguments,
+            PlanDataArguments,
+            CaptureArguments,
+            PlanArguments,
+            MethodArguments,
+            AttributionArguments,
+        ),
+    ),
     "capture": (
         "Capture per-sample gradients of the training and query sets (one pass, no training).",
         (ModelArguments, DataArguments, CaptureArguments, AttributionArguments),
+    ),
+    "fit": (
+        "Fit the curvature of kfac / ekfac / lorif over a capture's training store, for reuse.",
+        (StoreArguments, MethodArguments, AttributionArguments),
     ),
     "attribute": (
         "Score every training sample against every query from the stores of a capture run.",
@@ -204,6 +355,10 @@ COMMANDS: dict[str, tuple[str, tuple[type, ...]]] = {
     "top-k": (
         "Each query's k best training samples from the stores of a capture run.",
         (StoreArguments, MethodArguments, TopKArguments, AttributionArguments),
+    ),
+    "report": (
+        "The token HTML report: each query's top training samples, tokens shaded by score.",
+        (StoreArguments, MethodArguments, ReportArguments, AttributionArguments),
     ),
 }
 """Command → (one-line description, its dataclasses besides `RunArguments`)."""

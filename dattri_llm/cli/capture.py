@@ -3,8 +3,8 @@
 The output directory holds what ``TracInAttributor.cache`` writes
 (``ckpt_0/train_grads`` and ``ckpt_0/test_grads``, usable by any
 ``attribute_from_cache``), the samples' identifiers and texts
-(``train_samples.jsonl``, ``query_samples.jsonl``) and the resolved
-``config.yaml``.
+(``train_samples.jsonl``, ``query_samples.jsonl``), the run plan
+(``plan.txt``, ``plan.json``) and the resolved ``config.yaml``.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from dattri_llm.cli.arguments import CaptureArguments, DataArguments, ModelArgum
 from dattri_llm.cli.data import TokenizedSet, load_records, tokenize
 from dattri_llm.cli.errors import CLIError
 from dattri_llm.cli.model import causal_lm_loss, load_model
+from dattri_llm.cli.output import SAMPLE_FILES
+from dattri_llm.cli.plan import build_plan, preflight
 from dattri_llm.gradient.hooks.config import resolve_hook_assignments
 from dattri_llm.task import AttributionTask
 
-__all__ = ["SAMPLE_FILES", "STORE_DIRS", "run_capture"]
-
-STORE_DIRS = {"train": "ckpt_0/train_grads", "query": "ckpt_0/test_grads"}
-SAMPLE_FILES = {"train": "train_samples.jsonl", "query": "query_samples.jsonl"}
+__all__ = ["run_capture"]
 
 
 def run_capture(
@@ -41,8 +40,15 @@ def run_capture(
     capture_args: CaptureArguments,
     *,
     quiet: bool,
+    force: bool = False,
+    final: Path | None = None,
 ) -> dict[str, Any]:
-    """Capture both sets into ``staging``; return a short summary."""
+    """Capture both sets into ``staging``; return a short summary.
+
+    Before capturing, the run plan is printed (unless ``quiet``) and written
+    beside the stores; ``CLIError`` when the stores would not fit the free disk
+    of ``final``'s file system (the output directory), unless ``force``.
+    """
     records = {"train": load_records(data_args.train_data)}
     records["query"] = load_records(data_args.query_data)
     model, tokenizer = load_model(model_args, quiet=quiet)
@@ -55,6 +61,18 @@ def run_capture(
     sets = {}
     for name, rows in records.items():
         sets[name] = tokenize(rows, tokenizer, data_args, name)
+    plan = build_plan(
+        model,
+        capture_args,
+        "graddot",
+        num_train=len(sets["train"].ids),
+        num_test=len(sets["query"].ids),
+        train_len=int(sets["train"].samples[0]["input_ids"].shape[0]),
+        query_len=int(sets["query"].samples[0]["input_ids"].shape[0]),
+        batch_size=args.per_device_train_batch_size,
+        device=args.device,
+    )
+    preflight("capture", plan, "graddot", final or staging, staging, force=force, quiet=quiet)
     for name, tokenized in sets.items():
         _write_samples(staging / SAMPLE_FILES[name], tokenized)
     attributor = TracInAttributor(

@@ -22,8 +22,11 @@ from dattri_llm.cli.arguments import COMMANDS, RunArguments
 from dattri_llm.cli.attribute import run_attribute
 from dattri_llm.cli.capture import run_capture
 from dattri_llm.cli.errors import CLIError
+from dattri_llm.cli.fit import run_fit
 from dattri_llm.cli.output import check_output_dir, staged_output
 from dattri_llm.cli.parsing import parse, resolved_config
+from dattri_llm.cli.plan import run_plan
+from dattri_llm.cli.report import run_report
 from dattri_llm.cli.topk import run_top_k
 
 __all__ = ["main"]
@@ -74,30 +77,41 @@ def _run(command: str, argv: list[str]) -> None:
     args.output_dir = str(final)
     _absolute_paths(parsed)
     options = [p for p in parsed if not isinstance(p, (RunArguments, AttributionArguments))]
+    checked = {"quiet": run.quiet, "force": run.force, "final": final}
     with staged_output(final, resolved_config(command, parsed)) as staging:
         if command == "capture":
-            summary = run_capture(staging, args, *options, quiet=run.quiet)
+            summary = run_capture(staging, args, *options, **checked)
             message = (
                 f"captured {summary['train']} training and {summary['query']} query "
                 f"samples over {summary['layers']} layers"
             )
         elif command == "attribute":
-            summary = run_attribute(staging, args, *options, quiet=run.quiet)
+            summary = run_attribute(staging, args, *options, **checked)
             message = (
                 f"{summary['algorithm']}: {summary['rows']} training rows x "
                 f"{summary['queries']} queries"
             )
+        elif command == "fit":
+            summary = run_fit(staging, args, *options, **checked)
+            message = f"{summary['algorithm']} fit ({summary['file']})"
+        elif command == "plan":
+            message = run_plan(staging, args, *options, quiet=run.quiet)
+        elif command == "report":
+            message = run_report(staging, args, *options, quiet=run.quiet)
         else:
             message = run_top_k(staging, args, *options, quiet=run.quiet)
     print(message)
-    if command != "top-k":
+    printed_table = command in ("top-k", "plan") or (
+        command == "report" and options[-1].format != "html"
+    )
+    if not printed_table:  # a printed table or JSON stays parseable
         print(f"written to {final}")
 
 
 def _absolute_paths(parsed: tuple[Any, ...]) -> None:
     """Local paths of the run made absolute, so its config replays from any directory."""
     for instance in parsed:
-        for name in ("train_data", "query_data", "store", "model", "tokenizer"):
+        for name in ("train_data", "query_data", "store", "model", "tokenizer", "fit"):
             value = getattr(instance, name, None)
             if isinstance(value, str) and Path(value).expanduser().exists():
                 setattr(instance, name, str(Path(value).expanduser().absolute()))

@@ -11,14 +11,37 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from dattri_llm.cli.arguments import ModelArguments
 from dattri_llm.cli.data import model_inputs
 from dattri_llm.cli.errors import CLIError
 
-__all__ = ["causal_lm_loss", "load_model"]
+__all__ = ["causal_lm_loss", "load_config", "load_model", "load_tokenizer"]
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def load_tokenizer(args: ModelArguments) -> Any:
+    """The tokenizer of ``--tokenizer`` (default ``--model``); ``CLIError`` when it cannot load."""
+    name = args.tokenizer or args.model
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"cannot load tokenizer {name!r}: {_first_line(err)}") from err
+
+
+def load_config(args: ModelArguments) -> Any:
+    """The model's ``PretrainedConfig`` (its ``config.json`` only; no weights)."""
+    try:
+        return AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise CLIError(
+            f"cannot load the config of model {args.model!r}: {_first_line(err)}"
+        ) from err
 
 
 def load_model(args: ModelArguments, *, quiet: bool = False) -> tuple[torch.nn.Module, Any]:
@@ -37,8 +60,7 @@ def load_model(args: ModelArguments, *, quiet: bool = False) -> tuple[torch.nn.M
             args.model, trust_remote_code=args.trust_remote_code
         )
     except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CLIError(f"cannot load model {args.model!r}: {first}") from err
+        raise CLIError(f"cannot load model {args.model!r}: {_first_line(err)}") from err
     finally:
         if quiet and bars:
             hf_logging.enable_progress_bar()

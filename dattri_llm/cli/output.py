@@ -21,9 +21,12 @@ import yaml
 
 from dattri_llm.cli.errors import CLIError
 
-__all__ = ["CONFIG_FILE", "check_output_dir", "staged_output"]
+__all__ = ["CONFIG_FILE", "SAMPLE_FILES", "STORE_DIRS", "check_output_dir", "staged_output"]
 
 CONFIG_FILE = "config.yaml"
+# what `capture` writes: the two stores (TracInAttributor.cache's layout) and the samples
+STORE_DIRS = {"train": "ckpt_0/train_grads", "query": "ckpt_0/test_grads"}
+SAMPLE_FILES = {"train": "train_samples.jsonl", "query": "query_samples.jsonl"}
 
 
 def check_output_dir(output_dir: str, overwrite: bool) -> Path:

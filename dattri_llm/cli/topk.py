@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.topk import TopK
 from dattri_llm.cli.arguments import MethodArguments, StoreArguments, TopKArguments
 from dattri_llm.cli.methods import build_attributor
 from dattri_llm.cli.stores import capture_stores, sample_texts
 
-__all__ = ["render_text", "run_top_k"]
+__all__ = ["render_text", "run_top_k", "top_k_table", "write_top_k"]
 
 
 def run_top_k(
@@ -42,9 +43,26 @@ def run_top_k(
         verbose=not quiet,
         **options,
     )
-    train_text = sample_texts(store_args.store, "train")
-    query_text = sample_texts(store_args.store, "query")
-    result = {
+    result = top_k_table(top, store_args.store)
+    return write_top_k(staging, result, top_args.format)
+
+
+def write_top_k(directory: Path, result: dict[str, Any], fmt: str, both: bool = True) -> str:
+    """Write ``top_k.json`` and ``top_k.txt`` (only ``fmt``'s unless ``both``); return ``fmt``'s."""
+    as_json = json.dumps(result, indent=2, ensure_ascii=False)
+    as_text = render_text(result)
+    if both or fmt == "json":
+        (directory / "top_k.json").write_text(as_json + "\n", encoding="utf-8")
+    if both or fmt == "text":
+        (directory / "top_k.txt").write_text(as_text + "\n", encoding="utf-8")
+    return as_json if fmt == "json" else as_text
+
+
+def top_k_table(top: TopK, store: str) -> dict[str, Any]:
+    """A ranking as plain data: per query its id and text, per row rank, id, score and text."""
+    train_text = sample_texts(store, "train")
+    query_text = sample_texts(store, "query")
+    return {
         "algorithm": top.algorithm,
         "proponents": top.proponents,
         "polarity": top.polarity,
@@ -66,11 +84,6 @@ def run_top_k(
             for query_id, ranked in top.as_dict().items()
         ],
     }
-    as_json = json.dumps(result, indent=2, ensure_ascii=False)
-    as_text = render_text(result)
-    (staging / "top_k.json").write_text(as_json + "\n", encoding="utf-8")
-    (staging / "top_k.txt").write_text(as_text + "\n", encoding="utf-8")
-    return as_json if top_args.format == "json" else as_text
 
 
 def render_text(result: dict[str, Any]) -> str:

@@ -24,4 +24,4 @@ def test_reference_lists_every_command_and_option():
         for cls in (RunArguments, *classes):
             for field in dataclasses.fields(cls):
                 assert f"`--{field.name}`" in text
-    assert "`dattri-llm fit`" not in text
+    assert "`dattri-llm train`" not in text

@@ -6,26 +6,10 @@ import importlib
 import shutil
 
 import pytest
-from cli_helpers import capture_argv
+from cli_helpers import capture_argv, fails, nothing_written
 
 from dattri_llm.cli import main
 from dattri_llm.cli.errors import CLIError
-
-
-def fails(argv, capsys, code=1):
-    """Run ``main(argv)``; assert it exits ``code``; return its one stderr line."""
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == code
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
-
-
-def nothing_written(out):
-    """No output directory and no partial sibling left behind."""
-    assert not out.exists()
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
 
 
 def test_bad_flag(workspace, tmp_path, capsys):
@@ -54,7 +38,7 @@ def test_traceback_on_request(workspace, tmp_path, monkeypatch):
 
 
 def test_unknown_command(capsys):
-    assert "unknown command 'fit'" in fails(["fit"], capsys, code=2)
+    assert "unknown command 'train'" in fails(["train"], capsys, code=2)
 
 
 def test_missing_data_file(workspace, tmp_path, capsys):

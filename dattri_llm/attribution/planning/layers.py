@@ -17,6 +17,8 @@ of those meta factors.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +100,27 @@ def _meta_state(root: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return state
 
 
+@contextmanager
+def _no_pad_token(root: nn.Module) -> Iterator[None]:
+    """``config.pad_token_id`` set to ``None`` for the meta forward, then restored.
+
+    Given ``input_ids`` alone, ``transformers`` looks for the pad token among
+    them (to warn about a missing attention mask), which a meta tensor cannot
+    answer; passing an all-ones mask instead fails the same way in the mask
+    construction. The pad token plays no other part in a causal LM's forward.
+    """
+    config = getattr(root, "config", None)
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        yield
+        return
+    config.pad_token_id = None
+    try:
+        yield
+    finally:
+        config.pad_token_id = pad
+
+
 def _trace(
     root: nn.Module, names: list[str], seq_len: int, dtype: torch.dtype
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -121,7 +144,7 @@ def _trace(
     handles = [modules[n].register_forward_hook(hook(n), with_kwargs=True) for n in names]
     ids = torch.zeros(TRACE_BATCH, seq_len, dtype=torch.long, device="meta")
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _no_pad_token(root):
             torch.func.functional_call(
                 root, _meta_state(root, dtype), (), {"input_ids": ids}, strict=False
             )

@@ -215,3 +215,15 @@ def test_probe_scales_by_the_captured_records():
     )
     assert rerun.passes.model_runs == 3
     assert rerun.estimated_seconds == pytest.approx(0.5 * (12 * 3 + 4))
+
+
+def test_plan_of_a_model_with_a_pad_token():
+    """transformers looks for the pad token in input_ids; the meta forward must not ask."""
+    config = _gpt2_config()
+    config.pad_token_id = 0
+    plain = plan_run(_gpt2_config(), num_train=4, num_test=2, seq_len=8)
+    padded = plan_run(config, num_train=4, num_test=2, seq_len=8)
+    assert padded.layers == plain.layers
+    model = meta_model(config)
+    plan_run(model, num_train=4, num_test=2, seq_len=8)
+    assert model.config.pad_token_id == 0  # restored after the trace

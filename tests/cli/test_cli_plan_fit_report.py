@@ -210,3 +210,23 @@ def test_report_unshaded_when_the_store_has_no_token_rows(workspace, tmp_path, c
     page = (out / "report.html").read_text()
     assert "the tokens are shown unshaded" in page and "cannot give token-level scores" in page
     assert not (out / "top_k.json").exists()
+
+
+def test_projected_capture_matches_its_plan(workspace, tmp_path, capsys):
+    out = tmp_path / "projected"
+    assert main(capture_argv(workspace, out, "--proj_dim", "4", "--proj_style", "dense")) == 0
+    stored = store_bytes_per_record(out / "ckpt_0" / "train_grads")
+    planned = json.loads((out / "plan.json").read_text())
+    assert all(layer["projection"]["proj_dim"] == 4 for layer in planned["layers"])
+    assert {la["name"]: la["bytes_per_record"] for la in planned["layers"]} == stored
+    plan_out = tmp_path / "plan"
+    assert (
+        main(
+            plan_argv(
+                workspace, plan_out, "--config_only", "--proj_dim", "4", "--proj_style", "dense"
+            )
+        )
+        == 0
+    )
+    again = json.loads((plan_out / "plan.json").read_text())
+    assert {la["name"]: la["bytes_per_record"] for la in again["layers"]} == stored

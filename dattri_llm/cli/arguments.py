@@ -99,14 +99,28 @@ class DataArguments:
     completion_field: str | None = field(
         default=None, metadata={"help": "Field holding the completion (scored tokens)."}
     )
+    messages_field: str | None = field(
+        default=None,
+        metadata={
+            "help": "Field holding a chat, a list of {'role', 'content'} messages rendered "
+            "with the tokenizer's chat template; only the tokens the template adds for the "
+            "assistant messages are scored (their role header included); the others get "
+            "label -100."
+        },
+    )
     max_length: int = field(
         default=512, metadata={"help": "Tokens per sample at most (longer ones are truncated)."}
     )
 
     def __post_init__(self) -> None:
-        """``ValueError`` for half a prompt/completion pair or a bad length."""
+        """``ValueError`` for half a prompt/completion pair, two layouts, or a bad length."""
         if (self.prompt_field is None) != (self.completion_field is None):
             raise ValueError("--prompt_field and --completion_field go together; give both")
+        if self.messages_field is not None and self.prompt_field is not None:
+            raise ValueError(
+                "--messages_field and --prompt_field/--completion_field are two layouts of a "
+                "sample; give one"
+            )
         if self.max_length < 2:
             raise ValueError(f"--max_length must be >= 2, got {self.max_length}")
 

@@ -5,7 +5,8 @@ objects), a ``.txt`` file (one sample a line, field ``text``), a ``.parquet``
 file, or a ``datasets.save_to_disk`` directory. Each sample becomes
 ``{"input_ids", "attention_mask", "labels"}`` right-padded to the longest
 sample of its set; padding and, with a prompt/completion pair, the prompt's
-tokens get label ``-100`` (no loss). Identifiers are the library's content
+tokens (with chat messages, every message but the assistant's) get label
+``-100`` (no loss). Identifiers are the library's content
 hashes of the model inputs (``input_ids`` and ``attention_mask``), so they equal
 the ids the stores record.
 """
@@ -96,7 +97,11 @@ def tokenize(
     rows, texts = [], []
     for i, record in enumerate(records):
         where = f"{name} record {i}"
-        if args.prompt_field is not None:
+        if args.messages_field is not None:
+            ids, labels = chat_tokens(record, tokenizer, args.messages_field, where)
+            ids, labels = ids[: args.max_length], labels[: args.max_length]
+            texts.append({"messages": record[args.messages_field]})
+        elif args.prompt_field is not None:
             prompt = _field(record, args.prompt_field, where)
             completion = _field(record, args.completion_field, where)
             prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -126,6 +131,51 @@ def tokenize(
         )
     ids = occurrence_ids([hash_sample(model_inputs(s)) for s in samples])
     return TokenizedSet(samples, ids, texts)
+
+
+def chat_tokens(
+    record: dict[str, Any], tokenizer: Any, field_name: str, where: str
+) -> tuple[list[int], list[int]]:
+    """Token ids and labels of a chat record, only the assistant messages' tokens scored.
+
+    Each message's tokens are the ones the chat template adds for it: the ids
+    of ``messages[: i + 1]`` extend those of ``messages[:i]``, which must be a
+    prefix (``CLIError`` otherwise: the template rewrites earlier turns).
+    """
+    messages = record.get(field_name)
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in messages
+    ):
+        raise CLIError(
+            f"{where}: field {field_name!r} must be a list of {{'role', 'content'}} messages "
+            f"(fields: {sorted(record)})"
+        )
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise CLIError(
+            "--messages_field needs a tokenizer with a chat template (tokenizer.chat_template "
+            "is unset); use --text_field or --prompt_field/--completion_field instead"
+        )
+    ids: list[int] = []
+    labels: list[int] = []
+    for i, message in enumerate(messages):
+        prefix = _chat_ids(tokenizer, messages[: i + 1])
+        if prefix[: len(ids)] != ids:
+            raise CLIError(
+                f"{where}: the chat template renders message {i} by changing the tokens of "
+                "the earlier ones, so its tokens cannot be told apart; use "
+                "--prompt_field/--completion_field"
+            )
+        added = prefix[len(ids) :]
+        scored = message["role"] == "assistant"
+        labels += list(added) if scored else [IGNORE_INDEX] * len(added)
+        ids = prefix
+    return ids, labels
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template (a flat list)."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
 def model_inputs(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

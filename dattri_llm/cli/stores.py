@@ -72,7 +72,9 @@ def sample_texts(store: str, side: str) -> dict[str, str]:
     texts = {}
     for row in sample_rows(store, side):
         text = row.get("text")
-        if text is None:
+        if "messages" in row:
+            text = " | ".join(f"{m['role']}: {m['content']}" for m in row["messages"])
+        elif text is None:
             text = f"{row.get('prompt', '')} ▸ {row.get('completion', '')}"
         texts[row["id"]] = text
     return texts
@@ -98,9 +100,11 @@ def captured_sets(store: str, tokenizer: Any | None = None) -> dict[str, Tokeniz
             text_field="text",
             prompt_field="prompt" if prompted else None,
             completion_field="completion" if prompted else None,
+            messages_field="messages" if "messages" in rows[0] else None,
         )
         records = [
-            {k: row[k] for k in ("text", "prompt", "completion") if k in row} for row in rows
+            {k: row[k] for k in ("text", "prompt", "completion", "messages") if k in row}
+            for row in rows
         ]
         tokenized = tokenize(records, tokenizer, data, side)
         if tokenized.ids != [row["id"] for row in rows]:

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 import yaml
-from cli_helpers import QUERIES, TRAIN, capture_argv
+from cli_helpers import QUERIES, TRAIN, capture_argv, write_jsonl
 from transformers import AutoTokenizer
 
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.cli import main
 from dattri_llm.cli.arguments import DataArguments
 from dattri_llm.cli.data import load_records, tokenize
+from dattri_llm.cli.errors import CLIError
 
 
 def attribute(workspace, out, *extra):
@@ -134,6 +136,60 @@ def test_prompt_tokens_are_masked(workspace, tmp_path):
     assert main(argv) == 0
     rows = samples(out, "query_samples.jsonl")
     assert rows[0]["prompt"] == "the striker" and rows[0]["completion"] == "scored a goal"
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} says {{ m['content'] }} [EOS] {% endfor %}"
+CHATS = [
+    {"messages": [{"role": "user", "content": "the striker"},
+                  {"role": "assistant", "content": "scored a goal"}]},
+    {"messages": [{"role": "system", "content": "chop the"},
+                  {"role": "user", "content": "onions"},
+                  {"role": "assistant", "content": "fry them in olive oil"}]},
+]  # fmt: skip
+
+
+def test_chat_messages_score_only_the_assistant(workspace, tmp_path):
+    model_dir = tmp_path / "chat_model"
+    shutil.copytree(workspace["model"], model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    chats = write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    data = DataArguments(train_data=str(chats), query_data=str(chats), messages_field="messages")
+    tokenized = tokenize(load_records(data.train_data), tokenizer, data, "train")
+    second = tokenized.samples[1]
+    rendered = tokenizer.apply_chat_template(CHATS[1]["messages"], tokenize=False)
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    n = len(ids)
+    assert second["input_ids"][:n].tolist() == ids
+    # the scored tokens are exactly the assistant message's: "assistant says fry ... [EOS]"
+    answer = tokenizer("assistant says fry them in olive oil [EOS]", add_special_tokens=False)
+    scored = [t for t in second["labels"][:n].tolist() if t != -100]
+    assert scored == answer["input_ids"]
+    assert second["labels"][: n - len(scored)].tolist() == [-100] * (n - len(scored))
+    # end to end: capture, then top-k reads the chats back
+    out = tmp_path / "chat_capture"
+    argv = capture_argv({**workspace, "model": model_dir}, out, "--messages_field", "messages")
+    argv[argv.index("--train_data") + 1] = str(chats)
+    argv[argv.index("--query_data") + 1] = str(chats)
+    assert main(argv) == 0
+    assert samples(out, "train_samples.jsonl")[0]["messages"] == CHATS[0]["messages"]
+    top = tmp_path / "chat_top"
+    assert main(["top-k", "--store", str(out), "--k", "1", "--output_dir", str(top)]) == 0
+    assert "assistant: scored a goal" in (top / "top_k.txt").read_text()
+
+
+def test_chat_messages_need_a_chat_template(workspace, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(workspace["model"])
+    chats = write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    data = DataArguments(train_data=str(chats), query_data=str(chats), messages_field="messages")
+    with pytest.raises(CLIError, match="needs a tokenizer with a chat template"):
+        tokenize(load_records(data.train_data), tokenizer, data, "train")
+    with pytest.raises(CLIError, match="must be a list of"):
+        tokenize([{"messages": "hi"}], tokenizer, data, "train")
+    with pytest.raises(ValueError, match="give one"):
+        DataArguments(train_data="a", query_data="b", messages_field="m", prompt_field="p",
+                      completion_field="c")  # fmt: skip
 
 
 def test_import_dattri_llm_does_not_load_the_cli():

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.index import INDEX_KINDS
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 
 __all__ = [
@@ -257,13 +258,28 @@ class TopKArguments:
         default=False, metadata={"help": "The most harmful samples instead of the most helpful."}
     )
     format: str = field(default="text", metadata={"help": "text | json (what is printed)."})
+    index: str | None = field(
+        default=None,
+        metadata={
+            "help": "Search a FAISS index of the training store instead of reading it: flat "
+            "(exact), ivf or hnsw (approximate); built beside the store on first use and "
+            "reused after (refused as stale when the store changed). Grad-Dot and Grad-Cos "
+            "only. Needs the index extra (faiss-cpu)."
+        },
+    )
+    nprobe: int = field(default=8, metadata={"help": "IVF lists searched (--index ivf)."})
+    ef_search: int = field(
+        default=64, metadata={"help": "HNSW candidate list when searching (--index hnsw)."}
+    )
 
     def __post_init__(self) -> None:
-        """``ValueError`` for a bad ``k`` or format."""
+        """``ValueError`` for a bad ``k``, format or index kind."""
         if self.k < 1:
             raise ValueError(f"--k must be >= 1, got {self.k}")
         if self.format not in ("text", "json"):
             raise ValueError(f"--format must be text or json, got {self.format!r}")
+        if self.index is not None and self.index not in INDEX_KINDS:
+            raise ValueError(f"--index must be one of {list(INDEX_KINDS)}, got {self.index!r}")
 
 
 @dataclass

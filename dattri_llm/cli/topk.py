@@ -1,6 +1,7 @@
 """``dattri-llm top-k``: each query's k best training samples, as a table or JSON.
 
-Streams the training store once (``top_k_from_cache``, no score matrix) and
+Streams the training store once (``top_k_from_cache``, no score matrix), or
+with ``--index`` searches a FAISS index of it (``AttributionIndex``), and
 writes ``top_k.json`` and ``top_k.txt`` to the output directory; the chosen
 ``--format`` is printed.
 """
@@ -13,12 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.index import AttributionIndex
 from dattri_llm.attribution.topk import TopK
 from dattri_llm.cli.arguments import MethodArguments, StoreArguments, TopKArguments
+from dattri_llm.cli.errors import CLIError
 from dattri_llm.cli.methods import build_attributor
 from dattri_llm.cli.stores import capture_stores, sample_texts
 
-__all__ = ["render_text", "run_top_k", "top_k_table", "write_top_k"]
+__all__ = ["INDEX_METHODS", "index_top_k", "render_text", "run_top_k", "top_k_table", "write_top_k"]
+
+INDEX_METHODS = ("graddot", "tracin", "gradcos")  # an index of the raw store, no fit
 
 
 def run_top_k(
@@ -35,6 +40,12 @@ def run_top_k(
     attributor, options = build_attributor(
         dataclasses.replace(args, output_dir=str(staging)), method_args
     )
+    if top_args.index is not None:
+        return write_top_k(
+            staging,
+            index_top_k(store_args.store, method_args.method, top_args, quiet=quiet),
+            top_args.format,
+        )
     top = attributor.top_k_from_cache(
         train_dir,
         query_dir,
@@ -45,6 +56,37 @@ def run_top_k(
     )
     result = top_k_table(top, store_args.store)
     return write_top_k(staging, result, top_args.format)
+
+
+def index_top_k(store: str, method: str, top_args: TopKArguments, *, quiet: bool) -> dict[str, Any]:
+    """The table of an index search of a capture (built beside its train store on first use).
+
+    The index directory is ``<train store>/attribution_index_<kind>`` (``_cos``
+    appended for Grad-Cos, whose index holds normalised vectors).
+    """
+    if method not in INDEX_METHODS:
+        raise CLIError(
+            f"--index serves {', '.join(INDEX_METHODS)}: {method} preconditions its queries "
+            "with a fit; drop --index (top-k reads the store once, exactly)"
+        )
+    train_dir, query_dir = capture_stores(store)
+    normalize = method == "gradcos"
+    name = f"attribution_index_{top_args.index}{'_cos' if normalize else ''}"
+    directory = Path(train_dir) / name
+    if (directory / "index.json").is_file():
+        index = AttributionIndex.load(train_dir, path=directory)
+    else:
+        index = AttributionIndex.build(
+            train_dir,
+            kind=top_args.index,
+            normalize=normalize,
+            path=directory,
+            verbose=not quiet,
+        )
+    index.set_search_params(nprobe=top_args.nprobe, ef_search=top_args.ef_search)
+    found = index.search(query_dir, top_args.k, proponents=not top_args.opponents)
+    algorithm = "GradCos" if normalize else "TracIn"
+    return _table(algorithm, not top_args.opponents, 1, top_args.k, found.as_dict(), store)
 
 
 def write_top_k(directory: Path, result: dict[str, Any], fmt: str, both: bool = True) -> str:
@@ -60,13 +102,25 @@ def write_top_k(directory: Path, result: dict[str, Any], fmt: str, both: bool = 
 
 def top_k_table(top: TopK, store: str) -> dict[str, Any]:
     """A ranking as plain data: per query its id and text, per row rank, id, score and text."""
-    train_text = sample_texts(store, "train")
-    query_text = sample_texts(store, "query")
+    return _table(top.algorithm, top.proponents, top.polarity, top.k, top.as_dict(), store)
+
+
+def _table(
+    algorithm: str,
+    proponents: bool,
+    polarity: int,
+    k: int,
+    ranking: dict[str, list[tuple[str, float]]],
+    store: str | Path,
+) -> dict[str, Any]:
+    """:func:`top_k_table` of ``ranking`` (``{query id: [(train id, score), ...]}``)."""
+    train_text = sample_texts(str(store), "train")
+    query_text = sample_texts(str(store), "query")
     return {
-        "algorithm": top.algorithm,
-        "proponents": top.proponents,
-        "polarity": top.polarity,
-        "k": top.k,
+        "algorithm": algorithm,
+        "proponents": proponents,
+        "polarity": polarity,
+        "k": k,
         "queries": [
             {
                 "id": query_id,
@@ -81,7 +135,7 @@ def top_k_table(top: TopK, store: str) -> dict[str, Any]:
                     for rank, (train_id, value) in enumerate(ranked, start=1)
                 ],
             }
-            for query_id, ranked in top.as_dict().items()
+            for query_id, ranked in ranking.items()
         ],
     }
 

@@ -227,3 +227,67 @@ def test_plan_of_a_model_with_a_pad_token():
     model = meta_model(config)
     plan_run(model, num_train=4, num_test=2, seq_len=8)
     assert model.config.pad_token_id == 0  # restored after the trace
+
+
+def _saved_bytes_of_a_real_forward(model, ids):
+    """Bytes autograd saves in a real CPU forward (by storage; parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _lm_loss(model, {"input_ids": ids})
+    return sum(storages.values()), max(storages.values())
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_activation_bytes_equal_what_a_real_forward_saves(kind):
+    from dattri_llm.attribution.planning.layers import activation_bytes
+
+    batch, seq_len = 3, 16
+    model = _model(kind)
+    ids = torch.randint(0, VOCAB, (batch, seq_len), generator=torch.Generator().manual_seed(5))
+    real, real_largest = _saved_bytes_of_a_real_forward(model, ids)
+    planned, largest = activation_bytes(model, batch=batch, seq_len=seq_len)
+    assert largest == real_largest
+    # the meta dispatch may pick another attention kernel than the CPU (what it saves differs)
+    assert abs(planned - real) <= 0.2 * real, (planned, real)
+
+
+def test_peak_memory_sums_parameters_activations_and_the_methods_state():
+    model = _model("llama")
+    kwargs = dict(num_train=16, num_test=4, seq_len=8, batch_size=4, kept_gradient_budget=1 << 30)
+    unique = sum(p.numel() * 4 for p in model.parameters())
+    for method in ("graddot", "kfac", "ekfac"):
+        plan = plan_run(model, method=method, **kwargs)
+        assert plan.parameter_bytes == unique and plan.gradient_bytes == 0
+        assert plan.activation_bytes > 0
+        state = plan.held_test_bytes + plan.score_bytes
+        if method != "graddot":
+            state += plan.passes.kept_bytes + plan.covariance_bytes + plan.eigenbasis_bytes
+            state += plan.correction_bytes
+        assert plan.peak_memory_bytes == (
+            plan.parameter_bytes + plan.activation_bytes + plan.train_block_bytes + state
+        )
+    trained = plan_run(model, method="graddot", weight_gradients=True, **kwargs)
+    frozen = plan_run(model, method="graddot", **kwargs)
+    assert trained.gradient_bytes == unique
+    assert trained.peak_memory_bytes == frozen.peak_memory_bytes + unique
+    half = plan_run(model, method="graddot", dtype=torch.bfloat16, **kwargs)
+    assert half.parameter_bytes == unique // 2
+    assert "peak memory" in frozen.format()
+
+
+def test_tied_weights_count_once():
+    config = _gpt2_config()  # GPT-2 ties lm_head to the token embedding
+    plan = plan_run(config, num_train=2, num_test=1, seq_len=8)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert plan.parameter_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert plan.parameter_bytes < sum(
+        p.numel() * 4 for _, p in model.named_parameters(remove_duplicate=False)
+    )

@@ -24,6 +24,7 @@ __all__ = [
     "PassPlan",
     "block_sizes",
     "pass_plan",
+    "peak_memory_bytes",
     "store_bytes",
 ]
 
@@ -141,3 +142,34 @@ def held_test_bytes(layers: list[LayerPlan], method: str, num_test: int, batch_s
             blocks = math.ceil(num_test / batch_size) if num_test else 0
             total += num_test * layer.bytes_per_record + blocks * layer.shared_bytes
     return total
+
+
+def peak_memory_bytes(
+    *,
+    method: str,
+    parameters: int,
+    gradients: int,
+    activations: int,
+    largest_activation: int,
+    train_block: int,
+    kept: int,
+    curvature: tuple[int, int, int],
+    held_test: int,
+    scores: int,
+) -> int:
+    """Peak bytes of one process's run: what coexists at its fullest moment.
+
+    ``parameters + gradients`` stay resident; a training batch's capture adds
+    its saved activations, the largest of them once more (the backward's
+    working gradient) and its block. The method's state is held across that
+    capture: the test side and the score matrix, and for K-FAC / EK-FAC the
+    kept first-pass blocks and the fit (covariances, eigenbases, EK-FAC
+    correction). Summing them is an upper bound: the test side is preconditioned
+    only after the first pass, and the fit's eigenbases exist only from the
+    fit on.
+    """
+    capture = activations + largest_activation + train_block
+    state = held_test + scores
+    if method != "graddot":
+        state += kept + sum(curvature)
+    return parameters + gradients + capture + state

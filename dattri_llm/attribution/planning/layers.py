@@ -41,7 +41,13 @@ from dattri_llm.gradient.ops.projection import should_materialize
 from dattri_llm.gradient.ops.types import detect_layer_type, is_conv, is_embedding, is_linear
 from dattri_llm.utils.wrappers import unwrap_model
 
-__all__ = ["TRACE_BATCH", "LayerPlan", "default_plan_config", "plan_layers"]
+__all__ = [
+    "TRACE_BATCH",
+    "LayerPlan",
+    "activation_bytes",
+    "default_plan_config",
+    "plan_layers",
+]
 
 TRACE_BATCH = 2  # batch of the meta forward: a layer that sees batch 1 shares its input
 
@@ -296,3 +302,49 @@ def plan_layers(
             f"layers with a batch-shared input (one copy per block, not per record): {shared}"
         )
     return layers, notes
+
+
+def _root_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    while tensor._base is not None:
+        tensor = tensor._base
+    return tensor
+
+
+def activation_bytes(
+    model: nn.Module, *, batch: int, seq_len: int, dtype: torch.dtype = torch.float32
+) -> tuple[int, int]:
+    """``(saved, largest)``: bytes autograd saves for one batch's backward, and the largest one.
+
+    One meta forward of ``input_ids`` and ``labels`` of shape ``(batch, seq_len)``
+    (``input_ids`` alone when the model takes no ``labels``) with meta
+    parameters that require gradients, under
+    ``torch.autograd.graph.saved_tensors_hooks``: every tensor saved for the
+    backward is counted once (views by their base), parameters (and views of
+    them) excluded. Nothing is allocated. ``(0, 0)`` when the forward fails.
+    """
+    root = unwrap_model(model)
+    state = _meta_state(root, dtype)
+    params = {name for name, _ in root.named_parameters()}
+    for name in params:
+        if state[name].is_floating_point():
+            state[name].requires_grad_(True)
+    param_ids = {id(state[name]) for name in params}
+    saved: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        base = _root_tensor(tensor)
+        if id(base) not in param_ids and id(base) not in saved:
+            saved[id(base)] = (base, base.numel() * base.element_size())
+        return tensor
+
+    ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    for kwargs in ({"input_ids": ids, "labels": ids}, {"input_ids": ids}):
+        saved.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                torch.func.functional_call(root, state, (), kwargs, strict=False)
+        except Exception:  # noqa: BLE001, S112 - a foreign forward; try without labels
+            continue
+        sizes = [size for _, size in saved.values()]
+        return sum(sizes), max(sizes, default=0)
+    return 0, 0

@@ -18,9 +18,15 @@ from dattri_llm.attribution.planning.costs import (
     curvature_bytes,
     held_test_bytes,
     pass_plan,
+    peak_memory_bytes,
     store_bytes,
 )
-from dattri_llm.attribution.planning.layers import LayerPlan, default_plan_config, plan_layers
+from dattri_llm.attribution.planning.layers import (
+    LayerPlan,
+    activation_bytes,
+    default_plan_config,
+    plan_layers,
+)
 from dattri_llm.gradient.hooks.config import HookManagerConfig
 
 __all__ = ["RunPlan", "format_bytes", "meta_model", "plan_run"]
@@ -67,6 +73,19 @@ class RunPlan:
         held_test_bytes: the test side the scoring engine holds.
         score_bytes: the ``num_train × num_test`` float32 score matrix.
         scoring_bytes: ``train_block_bytes + held_test_bytes + score_bytes``.
+        parameter_bytes: the model's parameters (each once: tied weights share).
+        gradient_bytes: weight gradients the backward computes: 0 for a
+            frozen probe that backpropagates to the hooked outputs only (the
+            default), the trainable parameters' bytes with ``weight_gradients``.
+        activation_bytes: what autograd saves for one batch's backward (a meta
+            forward under ``saved_tensors_hooks``), plus the largest saved
+            tensor once more (the backward's working gradient).
+        peak_memory_bytes: the process's peak: ``parameter_bytes +
+            gradient_bytes + activation_bytes + train_block_bytes`` (a batch's
+            capture) plus the state held across it: the test side and the
+            scores, and for K-FAC / EK-FAC the kept blocks and the fit. It
+            leaves out the interpreter and its libraries (the process
+            baseline: a few hundred MiB on CPU, the CUDA context on a GPU).
         passes: the pass plan (kept blocks, re-runs, the resolved budget).
         seconds_per_record: the probe's measurement, ``None`` without a probe.
         estimated_seconds: capture time of every record the run captures
@@ -93,6 +112,10 @@ class RunPlan:
     held_test_bytes: int
     score_bytes: int
     scoring_bytes: int
+    parameter_bytes: int
+    gradient_bytes: int
+    activation_bytes: int
+    peak_memory_bytes: int
     passes: PassPlan
     seconds_per_record: float | None
     estimated_seconds: float | None
@@ -150,6 +173,10 @@ class RunPlan:
             f"scoring memory        {format_bytes(self.scoring_bytes)} (train block "
             f"{format_bytes(self.train_block_bytes)} + held test "
             f"{format_bytes(self.held_test_bytes)} + scores {format_bytes(self.score_bytes)})",
+            f"peak memory           {format_bytes(self.peak_memory_bytes)} (parameters "
+            f"{format_bytes(self.parameter_bytes)} + weight gradients "
+            f"{format_bytes(self.gradient_bytes)} + activations "
+            f"{format_bytes(self.activation_bytes)} + blocks, fit and scoring state)",
             f"passes                {p.passes} over {p.blocks} train blocks; kept "
             f"{p.kept_blocks} blocks ({format_bytes(p.kept_bytes)}) of budget "
             f"{format_bytes(p.budget_bytes)}; model runs {p.model_runs}, re-run blocks "
@@ -161,7 +188,10 @@ class RunPlan:
 
 
 def meta_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """``AutoModelForCausalLM.from_config(config)`` built on the ``meta`` device (no storage).
+    """``AutoModelForCausalLM.from_config(config)`` on the ``meta`` device (no storage), eval mode.
+
+    Eval mode as attribution at a fixed checkpoint runs it: no dropout (whose
+    masks would count in the planned activations).
 
     ``config`` is a ``transformers.PretrainedConfig``, or a local directory /
     Hub id that ``AutoConfig.from_pretrained`` reads.
@@ -173,7 +203,13 @@ def meta_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
         config = AutoConfig.from_pretrained(os.fspath(config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model
+    return model.eval()
+
+
+def _itemsize(param: torch.Tensor, dtype: torch.dtype) -> int:
+    """Bytes per element of ``param`` in the run: floating parameters in ``dtype``."""
+    kind = dtype if param.is_floating_point() else param.dtype
+    return torch.empty((), dtype=kind, device="meta").element_size()
 
 
 def _is_config(model: object) -> bool:
@@ -201,6 +237,7 @@ def plan_run(
     kept_gradient_budget: int | None = None,
     device: torch.device | str = "cpu",
     probe: float | Callable[[], float] | None = None,
+    weight_gradients: bool = False,
 ) -> RunPlan:
     """Predict the cost of attributing ``num_train`` × ``num_test`` records of ``seq_len`` tokens.
 
@@ -223,6 +260,10 @@ def plan_run(
         probe: seconds per record of capture (a number, e.g. from
             :func:`measure_capture_seconds`, or a callable returning it);
             ``None`` leaves the time unknown.
+        weight_gradients: whether the backward computes the parameters'
+            gradients (a wrapped DDP / FSDP model, training with updates,
+            gradient checkpointing, ``param_grad`` hooks); ``False``: the
+            frozen probe's backward to the hooked outputs only.
 
     Returns:
         The :class:`RunPlan`.
@@ -248,6 +289,30 @@ def plan_run(
     train_block = sum(layer.block_bytes(min(batch_size, num_train)) for layer in layers)
     held = held_test_bytes(layers, method, num_test, batch_size)
     scores = num_train * num_test * SCORE_ITEMSIZE
+    params = {id(p): p for p in model.parameters()}.values()
+    parameter_bytes = sum(p.numel() * _itemsize(p, dtype) for p in params)
+    gradient_bytes = (
+        sum(p.numel() * _itemsize(p, dtype) for p in params if p.requires_grad)
+        if weight_gradients
+        else 0
+    )
+    saved, largest = activation_bytes(
+        model, batch=min(batch_size, num_train), seq_len=seq_len, dtype=dtype
+    )
+    if not saved:
+        notes.append("activations unknown (the meta forward with gradients failed): counted as 0")
+    peak = peak_memory_bytes(
+        method=method,
+        parameters=parameter_bytes,
+        gradients=gradient_bytes,
+        activations=saved,
+        largest_activation=largest,
+        train_block=train_block,
+        kept=passes.kept_bytes,
+        curvature=(cov, eig, corr),
+        held_test=held,
+        scores=scores,
+    )
     seconds = probe() if callable(probe) else probe
     estimate = None
     if seconds is not None:
@@ -280,6 +345,10 @@ def plan_run(
         held_test_bytes=held,
         score_bytes=scores,
         scoring_bytes=train_block + held + scores,
+        parameter_bytes=parameter_bytes,
+        gradient_bytes=gradient_bytes,
+        activation_bytes=saved + largest,
+        peak_memory_bytes=peak,
         passes=passes,
         seconds_per_record=None if seconds is None else float(seconds),
         estimated_seconds=estimate,

@@ -28,7 +28,11 @@ import torch
 
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.scoring import ScoredBatch, stream_pass
-from dattri_llm.attribution.sources import _require_records, normalize_layer_names
+from dattri_llm.attribution.sources import (
+    _require_records,
+    normalize_layer_names,
+    open_store_directory,
+)
 
 __all__ = ["RunningTopK", "TopK", "TopKCalls", "check_k", "top_k_live", "top_k_stores"]
 
@@ -345,8 +349,8 @@ def top_k_stores(
             test_source,
             **attribution_kwargs,
         )
-    trains = [train_source] if trains is None else trains
-    tests = [test_source] if tests is None else tests
+    trains = [open_store_directory(s) for s in ([train_source] if trains is None else trains)]
+    tests = [open_store_directory(s) for s in ([test_source] if tests is None else tests)]
     open_passes = _other_checkpoints(attributor, trains, tests, attribution_kwargs)
     result = _run(
         attributor,

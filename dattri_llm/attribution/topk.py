@@ -2,9 +2,10 @@
 
 The scoring engine (:func:`~dattri_llm.attribution.scoring.stream_scores`)
 hands each train batch's ``(rows, M)`` scores to a :class:`RunningTopK`, which
-merges them into a running ``(k, M)`` top-k (values and row positions) and
-drops them: peak memory is one batch plus ``k·M`` (and 8 bytes per training
-row for the repeated-id check). The order is exactly that of
+merges them into a running ``(k, M)`` top-k (values and row positions), a
+slice of rows at a time, and drops them: peak memory is one batch plus
+``k·M`` and one slice's sort (and 8 bytes per training row for the
+repeated-id check). The order is exactly that of
 :meth:`AttributionScore.top_k` on the full matrix: keys ``-sign · score``
 (``sign = polarity``, negated for opponents) sorted ascending and stably, so
 ties keep training-row order and NaN ranks last.
@@ -35,6 +36,10 @@ from dattri_llm.attribution.sources import (
 )
 
 __all__ = ["RunningTopK", "TopK", "TopKCalls", "check_k", "top_k_live", "top_k_stores"]
+
+# Scores merged per step of RunningTopK.add: its float64 keys, sort and row numbers then take a
+# few MiB, not several times the batch's own (rows, M) float32 scores.
+_MERGE_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,13 @@ class RunningTopK:
         self._ids, self._hashes, self._num_rows = {}, [], 0
 
     def add(self, batch: ScoredBatch) -> None:
-        """Merge one train batch's ``(rows, M)`` scores into the running top-k."""
+        """Merge one train batch's ``(rows, M)`` scores into the running top-k.
+
+        The batch is merged a slice of rows at a time (``max(k, 2**18 // M)``
+        rows): the running top-k precedes each slice in training order, so
+        merging the slices one after the other ranks exactly as merging the
+        batch at once, while the float64 keys and the sort hold one slice.
+        """
         if batch.row_tokens is not None:
             raise NotImplementedError(
                 "streaming top-k ranks training samples (attribution_granularity='instance'); "
@@ -131,16 +142,23 @@ class RunningTopK:
         self._num_rows += count
         self._hashes.append(torch.tensor([hash(h) for h in batch.row_ids], dtype=torch.int64))
         self._ids.update(zip(range(first, first + count), batch.row_ids))
+        step = max(self.k, _MERGE_ELEMENTS // max(num_test, 1))
+        for start in range(0, count, step):
+            self._merge(batch.scores[start : start + step], first + start)
+        if len(self._ids) > 4 * self._rows.numel() + 1024:  # amortized: forget dropped rows
+            kept = set(self._rows.unique().tolist())
+            self._ids = {row: h for row, h in self._ids.items() if row in kept}
+
+    def _merge(self, scores: torch.Tensor, first: int) -> None:
+        """Merge ``(rows, M)`` scores of training rows ``first, first + 1, ...``."""
+        count, num_test = scores.shape
         # "+ 0.0" as AttributionScore.agnostic_matrix's sum into zeros: -0.0 becomes 0.0
-        values = torch.cat([self._values, batch.scores.to(torch.float64) + 0.0])
+        values = torch.cat([self._values, scores.to(torch.float64) + 0.0])
         rows = torch.arange(first, first + count).unsqueeze(1).expand(count, num_test)
         rows = torch.cat([self._rows, rows])
         order = torch.sort(-self.sign * values + 0.0, dim=0, stable=True).indices[: self.k]
         self._values = values.gather(0, order)
         self._rows = rows.gather(0, order)
-        if len(self._ids) > 4 * self._rows.numel() + 1024:  # amortized: forget dropped rows
-            kept = set(self._rows.unique().tolist())
-            self._ids = {row: h for row, h in self._ids.items() if row in kept}
 
     def _check_distinct(self) -> None:
         """``NotImplementedError`` when a training id filled more than one row."""

@@ -1,7 +1,9 @@
 """Scoring from stores holds what the block being scored needs (peak memory of from-cache calls).
 
 A store directory is opened once per call, so its identifier index is in memory
-once (not once per step of the call that reads it).
+once (not once per step of the call that reads it), and the running top-k
+merges a batch's scores a slice of rows at a time (its float64 keys and sort
+never cover the whole batch), ranking exactly as one merge would.
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ import warnings
 import pytest
 import torch
 
+from dattri_llm.attribution import topk
 from dattri_llm.attribution.algorithm.kronecker import KFACAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.scoring import ScoredBatch
+from dattri_llm.attribution.topk import RunningTopK, TopK
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 
@@ -86,3 +92,62 @@ def test_checkpoint_stores_are_opened_once_each(tmp_path, monkeypatch):
     opened = _Opened(monkeypatch)
     TracInAttributor(_args(tmp_path)).top_k_from_cache(trains, tests, 2)
     assert sorted(opened.dirs) == sorted(trains + tests)
+
+
+# ---------------------------------------------------------------------------- running top-k
+def _scores(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Scores with exact ties, NaN and signed zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(-3, 4, (rows, cols), generator=gen).float() / 2
+    values[torch.rand(rows, cols, generator=gen) < 0.05] = float("nan")
+    values[torch.rand(rows, cols, generator=gen) < 0.1] = -0.0
+    return values
+
+
+def _ranked(k: int, sign: int, batches: list[torch.Tensor], cols: int) -> TopK:
+    sink = RunningTopK(k, sign)
+    sink.start([f"q{j}" for j in range(cols)])
+    first = 0
+    for scores in batches:
+        ids = [f"t{first + i}" for i in range(scores.shape[0])]
+        sink.add(ScoredBatch(scores, ids, [0] * len(ids), None))
+        first += len(ids)
+    return sink.result(1, sign > 0, None)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("k", [1, 4, 50])
+def test_a_batch_merged_in_slices_ranks_as_merged_at_once(monkeypatch, sign, k):
+    cols = 6
+    batches = [_scores(rows, cols, seed) for seed, rows in enumerate([37, 1, 64, 20])]
+    whole = _ranked(k, sign, batches, cols)
+    monkeypatch.setattr(topk, "_MERGE_ELEMENTS", 1)  # slices of k rows
+    sliced = _ranked(k, sign, batches, cols)
+    assert sliced.train_ids == whole.train_ids
+    assert torch.equal(sliced.scores.view(torch.int64), whole.scores.view(torch.int64))
+    matrix = torch.cat(batches)
+    ids = [f"t{i}" for i in range(matrix.shape[0])]
+    full = AttributionScore(
+        matrix, ids, [0] * len(ids), [f"q{j}" for j in range(cols)], "X", {}, None
+    )
+    expected = full.top_k(k, proponents=sign > 0)
+    assert {q: [h for h, _ in v] for q, v in sliced.as_dict().items()} == {
+        q: [h for h, _ in v] for q, v in expected.items()
+    }
+
+
+def test_the_merge_sorts_one_slice_of_a_batch_at_a_time(monkeypatch):
+    """The float64 keys and the sort cover ``k`` + one slice of rows, not the whole batch."""
+    sorted_rows = []
+    real = torch.sort
+
+    def recording(values, *args, **kwargs):
+        if values.dim() == 2:  # the merge's keys (the repeated-id check sorts 1-D hashes)
+            sorted_rows.append(values.shape[0])
+        return real(values, *args, **kwargs)
+
+    monkeypatch.setattr(topk, "_MERGE_ELEMENTS", 64)  # 64 // 4 columns = slices of 16 rows
+    monkeypatch.setattr(torch, "sort", recording)
+    _ranked(3, 1, [_scores(100, 4, 0)], 4)
+    assert sorted_rows and max(sorted_rows) <= 3 + 16
+    assert sum(rows - 3 for rows in sorted_rows[1:]) + sorted_rows[0] == 100

@@ -1,19 +1,21 @@
 """Scoring from stores holds what the block being scored needs (peak memory of from-cache calls).
 
 A store directory is opened once per call, so its identifier index is in memory
-once (not once per step of the call that reads it), and the running top-k
+once (not once per step of the call that reads it); the running top-k
 merges a batch's scores a slice of rows at a time (its float64 keys and sort
-never cover the whole batch), ranking exactly as one merge would.
+never cover the whole batch), ranking exactly as one merge would; and merging
+the held test blocks releases them, so the test side is held once.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import pytest
 import torch
 
-from dattri_llm.attribution import topk
+from dattri_llm.attribution import scoring, topk
 from dattri_llm.attribution.algorithm.kronecker import KFACAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
@@ -151,3 +153,17 @@ def test_the_merge_sorts_one_slice_of_a_batch_at_a_time(monkeypatch):
     _ranked(3, 1, [_scores(100, 4, 0)], 4)
     assert sorted_rows and max(sorted_rows) <= 3 + 16
     assert sum(rows - 3 for rows in sorted_rows[1:]) + sorted_rows[0] == 100
+
+
+# ---------------------------------------------------------------------------- the test side
+def test_merging_the_held_test_side_releases_its_pieces():
+    """The test side is held once: merged blocks do not keep the blocks they were built from."""
+    pieces = [scoring._TestBlock(_dense(2, seed), [2 * seed, 2 * seed + 1]) for seed in range(4)]
+    refs = [weakref.ref(piece.rep.data["l0"]) for piece in pieces]
+    held = list(pieces)
+    del pieces
+    merged = scoring._merge_dense_blocks(held, 8)
+    assert held == [] and [ref() for ref in refs] == [None] * 4
+    assert len(merged) == 1 and merged[0].cols == list(range(8))
+    want = torch.cat([_dense(2, seed).data["l0"] for seed in range(4)])
+    assert torch.equal(merged[0].rep.data["l0"], want)

@@ -176,7 +176,14 @@ def _token_count(rep: Gradient) -> int:
 
 
 def _write_columns(scores: torch.Tensor, values: torch.Tensor, cols: list[int]) -> None:
-    """``scores[:, cols] = values`` as CPU float32; a repeated column keeps its last row."""
+    """``scores[:, cols] = values`` as CPU float32; a repeated column keeps its last row.
+
+    Consecutive columns (a merged test block) are copied in place, without the
+    gathered copy of ``values`` that other column lists need.
+    """
+    if cols and cols == list(range(cols[0], cols[0] + len(cols))):
+        scores[:, cols[0] : cols[0] + len(cols)] = values.detach()
+        return
     last = {col: row for row, col in enumerate(cols)}
     rows = torch.tensor(list(last.values()), dtype=torch.long, device=values.device)
     scores[:, list(last)] = values.detach()[:, rows].to(device="cpu", dtype=torch.float32)

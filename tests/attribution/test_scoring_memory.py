@@ -167,3 +167,16 @@ def test_merging_the_held_test_side_releases_its_pieces():
     assert len(merged) == 1 and merged[0].cols == list(range(8))
     want = torch.cat([_dense(2, seed).data["l0"] for seed in range(4)])
     assert torch.equal(merged[0].rep.data["l0"], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("cols", [[1, 2, 3, 4], [0, 1, 2, 3], [2, 0, 3, 1], [1, 1, 2, 3]])
+def test_written_columns_equal_the_gathered_write(dtype, cols):
+    """Consecutive columns are copied in place; the bits are those of the gathered write."""
+    values = _scores(5, 4, 3).to(dtype)
+    got = torch.zeros(5, 6)
+    scoring._write_columns(got, values, cols)
+    want = torch.zeros(5, 6)
+    last = {col: row for row, col in enumerate(cols)}
+    want[:, list(last)] = values[:, list(last.values())].to(dtype=torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

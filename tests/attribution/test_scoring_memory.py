@@ -3,8 +3,9 @@
 A store directory is opened once per call, so its identifier index is in memory
 once (not once per step of the call that reads it); the running top-k
 merges a batch's scores a slice of rows at a time (its float64 keys and sort
-never cover the whole batch), ranking exactly as one merge would; and merging
-the held test blocks releases them, so the test side is held once.
+never cover the whole batch), ranking exactly as one merge would; merging the
+held test blocks releases them, so the test side is held once; and EK-FAC drops
+its covariances once it has their eigenbases.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import pytest
 import torch
 
 from dattri_llm.attribution import scoring, topk
-from dattri_llm.attribution.algorithm.kronecker import KFACAttributor
+from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.scoring import ScoredBatch
 from dattri_llm.attribution.topk import RunningTopK, TopK
-from dattri_llm.gradient.gradient import Gradient, GradientRecord
+from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 
 
@@ -180,3 +181,55 @@ def test_written_columns_equal_the_gathered_write(dtype, cols):
     last = {col: row for row, col in enumerate(cols)}
     want[:, list(last)] = values[:, list(last.values())].to(dtype=torch.float32)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+# ---------------------------------------------------------------------------- EK-FAC
+def _factorized(n: int, seed: int) -> Gradient:
+    gen = torch.Generator().manual_seed(seed)
+    data = {
+        f"l{i}": Factorized(
+            torch.randn(n, 3, 4, generator=gen),
+            torch.randn(n, 3, 5, generator=gen),
+            module_kwargs={"has_bias": False},
+        )
+        for i in range(2)
+    }
+    return Gradient(
+        {name: "factorized" for name in data},
+        data,
+        {name: "nn.Linear" for name in data},
+        {name: "batch_token" for name in data},
+    )
+
+
+def test_ekfac_drops_the_covariances_before_its_eigenvalue_pass(tmp_path, monkeypatch):
+    train, test = (
+        GradientStorageManager(tmp_path / "train"),
+        GradientStorageManager(tmp_path / "te"),
+    )
+    for start in range(0, 9, 3):
+        ids = [f"t{start + i}" for i in range(3)]
+        train.save_bulk([GradientRecord(0, ids, _factorized(3, start))])
+    test.save_bulk([GradientRecord(0, ["q0", "q1"], _factorized(2, 99))])
+    refs: list[weakref.ref] = []
+    alive_at_rotation: list[int] = []
+    real_pass = EKFACAttributor.covariance_pass
+    real_rotation = EKFACAttributor._eigen_coordinates
+
+    def covariance_pass(self, *args, **kwargs):
+        covariances = real_pass(self, *args, **kwargs)
+        refs.extend(weakref.ref(t) for pair in covariances.values() for t in pair)
+        return covariances
+
+    def eigen_coordinates(self, *args, **kwargs):
+        alive_at_rotation.append(sum(ref() is not None for ref in refs))
+        return real_rotation(self, *args, **kwargs)
+
+    monkeypatch.setattr(EKFACAttributor, "covariance_pass", covariance_pass)
+    monkeypatch.setattr(EKFACAttributor, "_eigen_coordinates", eigen_coordinates)
+    score = EKFACAttributor(_args(tmp_path)).attribute_from_cache(train, test)
+    assert len(refs) == 4 and alive_at_rotation
+    assert set(alive_at_rotation) == {0}
+    monkeypatch.undo()
+    reference = EKFACAttributor(_args(tmp_path)).attribute_from_cache(train, test)
+    assert torch.equal(score.scores, reference.scores)

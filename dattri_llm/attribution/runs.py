@@ -21,7 +21,11 @@ import torch
 
 from dattri_llm.attribution.collection import collect_checkpoint
 from dattri_llm.attribution.scoring import ScoreResult
-from dattri_llm.attribution.sources import _require_records, normalize_layer_names
+from dattri_llm.attribution.sources import (
+    _require_records,
+    normalize_layer_names,
+    open_store_directory,
+)
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.cache import CACHE_RESIDENCIES
 from dattri_llm.utils.distributed import dist_barrier, dist_world_size
@@ -221,10 +225,13 @@ def score_stores(
 
     Both stores must hold records; the sources come from the attributor's
     ``load_train_rep`` (only ``selected_training_steps``) and
-    ``load_test_rep``, restricted to ``layer_name``.
+    ``load_test_rep``, restricted to ``layer_name``. A store directory is opened
+    once for the whole call (:func:`~.sources.open_store_directory`).
     """
     layers = normalize_layer_names(layer_name)
     steps = None if selected_training_steps is None else sorted(set(selected_training_steps))
+    train_source = open_store_directory(train_source)
+    test_source = open_store_directory(test_source)
     train_store = attributor.resolve_store(train_source)
     test_store = attributor.resolve_store(test_source)
     _require_records(train_store, "training")

@@ -127,6 +127,13 @@ def _has_broadcast_layer(rep: Gradient) -> bool:
     return 1 in batches and max(batches) > 1
 
 
+def _taken(blocks: list[_TestBlock]) -> Iterator[_TestBlock]:
+    """The items of ``blocks`` in order, each removed from the list as it is handed out."""
+    blocks.reverse()
+    while blocks:
+        yield blocks.pop()
+
+
 def _merge_dense_blocks(blocks: list[_TestBlock], num_columns: int) -> list[_TestBlock]:
     """Concatenate each run of consecutive dense test blocks into one (``rebatch_blocks``).
 
@@ -134,10 +141,13 @@ def _merge_dense_blocks(blocks: list[_TestBlock], num_columns: int) -> list[_Tes
     hold) merges a run into one block with its column lists concatenated;
     factorized blocks break a run and stay separate. So does a block with a
     broadcast (batch-1) dense layer: concatenation would average that row with
-    the other blocks' rows and change the scores.
+    the other blocks' rows and change the scores. ``blocks`` is emptied as it
+    is read, so a merged block's pieces are released once it is built and
+    the test side is not held twice.
     """
     merged: list[_TestBlock] = []
-    for broadcast, run in itertools.groupby(blocks, key=lambda b: _has_broadcast_layer(b.rep)):
+    runs = itertools.groupby(_taken(blocks), key=lambda b: _has_broadcast_layer(b.rep))
+    for broadcast, run in runs:
         if broadcast:
             merged.extend(run)
             continue
@@ -166,7 +176,14 @@ def _token_count(rep: Gradient) -> int:
 
 
 def _write_columns(scores: torch.Tensor, values: torch.Tensor, cols: list[int]) -> None:
-    """``scores[:, cols] = values`` as CPU float32; a repeated column keeps its last row."""
+    """``scores[:, cols] = values`` as CPU float32; a repeated column keeps its last row.
+
+    Consecutive columns (a merged test block) are copied in place, without the
+    gathered copy of ``values`` that other column lists need.
+    """
+    if cols and cols == list(range(cols[0], cols[0] + len(cols))):
+        scores[:, cols[0] : cols[0] + len(cols)] = values.detach()
+        return
     last = {col: row for row, col in enumerate(cols)}
     rows = torch.tensor(list(last.values()), dtype=torch.long, device=values.device)
     scores[:, list(last)] = values.detach()[:, rows].to(device="cpu", dtype=torch.float32)

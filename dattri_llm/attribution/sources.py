@@ -166,6 +166,21 @@ def resolve_store(source: object) -> GradientStorageManager:
     )
 
 
+def open_store_directory(source: object) -> object:
+    """``source`` with a store directory opened, once, for a call that reads it several times.
+
+    A directory becomes its store (:func:`resolve_store`), so the steps of one
+    call (checks, fit, the scoring pass, the score's metadata) share one store
+    and one identifier index in memory instead of each opening the directory
+    again. Any other source (an open store, a ``DiskGradientSource``, a path
+    that is not a directory, which the call refuses later as before) is
+    returned unchanged.
+    """
+    if isinstance(source, (str, Path)) and Path(source).expanduser().is_dir():
+        return resolve_store(source)
+    return source
+
+
 def stores_meta(
     train_store: GradientStorageManager, test_store: GradientStorageManager
 ) -> dict[str, dict[str, object]]:

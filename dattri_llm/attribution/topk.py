@@ -2,9 +2,10 @@
 
 The scoring engine (:func:`~dattri_llm.attribution.scoring.stream_scores`)
 hands each train batch's ``(rows, M)`` scores to a :class:`RunningTopK`, which
-merges them into a running ``(k, M)`` top-k (values and row positions) and
-drops them: peak memory is one batch plus ``k·M`` (and 8 bytes per training
-row for the repeated-id check). The order is exactly that of
+merges them into a running ``(k, M)`` top-k (values and row positions), a
+slice of rows at a time, and drops them: peak memory is one batch plus
+``k·M`` and one slice's sort (and 8 bytes per training row for the
+repeated-id check). The order is exactly that of
 :meth:`AttributionScore.top_k` on the full matrix: keys ``-sign · score``
 (``sign = polarity``, negated for opponents) sorted ascending and stably, so
 ties keep training-row order and NaN ranks last. A trajectory method's sweep
@@ -30,7 +31,11 @@ import torch
 
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.scoring import ScoredBatch, stream_pass
-from dattri_llm.attribution.sources import _require_records, normalize_layer_names
+from dattri_llm.attribution.sources import (
+    _require_records,
+    normalize_layer_names,
+    open_store_directory,
+)
 
 __all__ = [
     "RunningTopK",
@@ -41,6 +46,10 @@ __all__ = [
     "top_k_live",
     "top_k_stores",
 ]
+
+# Scores merged per step of RunningTopK.add: its float64 keys, sort and row numbers then take a
+# few MiB, not several times the batch's own (rows, M) float32 scores.
+_MERGE_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,10 @@ class RunningTopK:
         ``positions`` (``(rows,)`` int64, distinct over the pass): each row's
         place in the training order when rows arrive out of it (summed samples
         released as they complete); ``None``: rows follow the earlier ones.
+        The batch is merged a slice of rows at a time (``max(k, 2**18 // M)``
+        rows): merging the slices one after the other ranks exactly as merging
+        the batch at once (ties go by position), while the float64 keys and
+        the sort hold one slice.
         """
         if batch.row_tokens is not None:
             raise NotImplementedError(
@@ -143,8 +156,18 @@ class RunningTopK:
         self._num_rows += count
         self._hashes.append(torch.tensor([hash(h) for h in batch.row_ids], dtype=torch.int64))
         self._ids.update(zip(positions.tolist(), batch.row_ids))
+        step = max(self.k, _MERGE_ELEMENTS // max(num_test, 1))
+        for start in range(0, count, step):
+            self._merge(batch.scores[start : start + step], positions[start : start + step])
+        if len(self._ids) > 4 * self._rows.numel() + 1024:  # amortized: forget dropped rows
+            kept = set(self._rows.unique().tolist())
+            self._ids = {row: h for row, h in self._ids.items() if row in kept}
+
+    def _merge(self, scores: torch.Tensor, positions: torch.Tensor) -> None:
+        """Merge ``(rows, M)`` scores of the training rows at ``positions``."""
+        count, num_test = scores.shape
         # "+ 0.0" as AttributionScore.agnostic_matrix's sum into zeros: -0.0 becomes 0.0
-        values = torch.cat([self._values, batch.scores.to(torch.float64) + 0.0])
+        values = torch.cat([self._values, scores.to(torch.float64) + 0.0])
         rows = torch.cat([self._rows, positions.unsqueeze(1).expand(count, num_test)])
         out_of_order = bool((positions[1:] < positions[:-1]).any()) or (
             self._rows.numel() > 0 and int(positions.min()) < int(self._rows.max())
@@ -155,9 +178,6 @@ class RunningTopK:
         order = torch.sort(-self.sign * values + 0.0, dim=0, stable=True).indices[: self.k]
         self._values = values.gather(0, order)
         self._rows = rows.gather(0, order)
-        if len(self._ids) > 4 * self._rows.numel() + 1024:  # amortized: forget dropped rows
-            kept = set(self._rows.unique().tolist())
-            self._ids = {row: h for row, h in self._ids.items() if row in kept}
 
     def _check_distinct(self) -> None:
         """``NotImplementedError`` when a training id filled more than one row."""
@@ -434,8 +454,8 @@ def top_k_stores(
             test_source,
             **attribution_kwargs,
         )
-    trains = [train_source] if trains is None else trains
-    tests = [test_source] if tests is None else tests
+    trains = [open_store_directory(s) for s in ([train_source] if trains is None else trains)]
+    tests = [open_store_directory(s) for s in ([test_source] if tests is None else tests)]
     open_passes = _other_checkpoints(attributor, trains, tests, attribution_kwargs)
     result = _run(
         attributor,

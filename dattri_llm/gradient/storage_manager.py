@@ -11,7 +11,7 @@ write, so patching ``storage_manager.dist_rank`` reaches the store.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -219,14 +219,29 @@ class GradientStorageManager:
         return self._settings.projection
 
     @property
-    def index(self) -> dict[str, list[dict[str, Any]]]:
+    def index(self) -> Mapping[str, list[dict[str, Any]]]:
         """Merged live index ``identifier → [{"file", "idx", "step", "sample_idx"}, ...]``.
 
-        The manager's own dict, updated by every save: do not mutate it. A
-        store missing a rank directory its ``ranks.json`` needs → `ValueError`.
+        A read-only mapping that follows the store (later saves show through);
+        each lookup builds fresh occurrence dicts from the compact index the
+        store keeps. A store missing a rank directory its ``ranks.json`` needs
+        → `ValueError`.
         """
         self._ranks.check_complete()
         return self._index.occurrences
+
+    def index_rows(
+        self, steps: Iterable[int] | None = None
+    ) -> Iterator[tuple[str, int, str, int, int]]:
+        """``(identifier, step, file, idx, sample_idx)`` of every indexed occurrence.
+
+        The entries of :attr:`index` as plain tuples, in its order (identifier
+        by identifier), only those at ``steps`` when given: the cheap way to
+        walk a large index whole. A store missing a rank directory its
+        ``ranks.json`` needs → `ValueError`.
+        """
+        self._ranks.check_complete()
+        return self._index.rows(steps)
 
     @property
     def revision(self) -> int:

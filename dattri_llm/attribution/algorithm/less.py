@@ -39,6 +39,7 @@ from dattri_llm.attribution.algorithm.trajectory.sweep import LOSS_REDUCTIONS, c
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.attribution.blocks import per_sample_layers, scale_rows
 from dattri_llm.attribution.schedule import LR_SCHEDULE_FILE, read_lr_schedule
+from dattri_llm.attribution.sources import open_store_directory
 from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDynamicsCallback
 from dattri_llm.gradient.model.container import Gradient
 from dattri_llm.gradient.model.records import Factorized
@@ -382,6 +383,7 @@ class LESSAttributor(BaseInnerProductAttributor):
             ValueError: a scored step has no weight in ``learning_rate`` or
                 the schedule file.
         """
+        train_source = open_store_directory(train_source)  # one store (and index) per call
         train_store = self.resolve_store(train_source)
         run = _recorded_run(train_store)
         weight, origin = self._stored_weights(train_store, checkpoint_weight, learning_rate, run)

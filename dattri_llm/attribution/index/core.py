@@ -493,8 +493,7 @@ class AttributionIndex:
 
 def _ids_at(store: GradientStorageManager, steps: Sequence[int]) -> list[str]:
     """Training ids with a record at one of ``steps``, in the store's index order."""
-    wanted = set(steps)
-    return [h for h, occ in store.index.items() if any(o["step"] in wanted for o in occ)]
+    return list(dict.fromkeys(identifier for identifier, *_ in store.index_rows(steps)))
 
 
 def _directory(store: GradientStorageManager, path: str | Path | None) -> Path:

@@ -58,13 +58,9 @@ def store_state(store: GradientStorageManager, steps: Iterable[int]) -> dict[str
     wanted = {int(s) for s in steps}
     lines = []
     groups: dict[str, int] = {}
-    for identifier, occurrences in store.index.items():
-        for o in occurrences:
-            if o["step"] in wanted:
-                lines.append(
-                    f"{o['step']}\t{identifier}\t{o['file']}\t{o['idx']}\t{o['sample_idx']}"
-                )
-                groups[o["file"]] = groups.get(o["file"], 0) + 1
+    for identifier, step, location, idx, sample_idx in store.index_rows(wanted):
+        lines.append(f"{step}\t{identifier}\t{location}\t{idx}\t{sample_idx}")
+        groups[location] = groups.get(location, 0) + 1
     lines.sort()
     digest = hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()
     return {

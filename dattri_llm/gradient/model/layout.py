@@ -193,6 +193,89 @@ def _cat_factors(name: str, f1: Factorized, f2: Factorized, axis: int) -> Factor
     )
 
 
+def _uniform_batch(block: GradientLayout) -> bool:
+    """Whether every layer of ``block`` holds one row per sample of the same batch."""
+    batches = set()
+    for name, value in block.data.items():
+        if block._is_param_grad(name):
+            return False
+        batches.add(_layer_batch(value))
+    return len(batches) <= 1
+
+
+def _cat_padded(
+    tensors: list[torch.Tensor], axis: int, token_axis: int | None, pads: list[float]
+) -> torch.Tensor | None:
+    """``tensors`` right-padded on ``token_axis`` (each with its pad value), cat on ``axis``.
+
+    ``None`` when their other axes disagree (the pairwise concatenation raises then).
+    """
+    if token_axis is not None:
+        length = max(t.shape[token_axis] for t in tensors)
+        tensors = [_pad_axis(t, token_axis, length, pad) for t, pad in zip(tensors, pads)]
+    first = tensors[0]
+    for t in tensors[1:]:
+        if t.ndim != first.ndim or any(
+            t.shape[d] != first.shape[d] for d in range(t.ndim) if d != axis
+        ):
+            return None
+    return torch.cat(tensors, dim=axis)
+
+
+def concatenate_batches(blocks: Sequence[GradientLayout]) -> GradientLayout | None:
+    """``blocks`` batch-concatenated in one copy per payload, as pairwise concatenation gives it.
+
+    For blocks of one structure whose every layer holds one row per sample
+    (no ``param_grad``, no broadcast layer): each payload is one ``torch.cat``
+    of the (token-padded) pieces, where concatenating pairwise copies every row
+    once per level of pairing. Returns ``None`` for anything else (differing
+    structures or shapes, broadcast or ``param_grad`` layers), which the
+    pairwise :meth:`GradientLayout.concatenate` handles (or refuses).
+    """
+    first = blocks[0]
+    for block in blocks:
+        if not _uniform_batch(block):
+            return None
+        if block is not first:
+            try:
+                first._check_same_structure(block)
+            except (ValueError, TypeError):
+                return None
+    data: dict[str, GradientData] = {}
+    for name, value in first.data.items():
+        values = [block.data[name] for block in blocks]
+        layer_type = first.layer_types[name]
+        if isinstance(value, Factorized):
+            token = {_has_token_axis(f, layer_type) for f in values}
+            if len(token) != 1:
+                return None
+            token_axis = value.token_axis if token.pop() else None
+            activation = _cat_padded(
+                [f.activation for f in values],
+                value.batch_axis,
+                token_axis,
+                [_activation_pad_value(f) for f in values],
+            )
+            grad = _cat_padded(
+                [f.pre_activation_grad for f in values],
+                value.batch_axis,
+                token_axis,
+                [0.0] * len(values),
+            )
+            if activation is None or grad is None:
+                return None
+            data[name] = value._with_factors(activation, grad)
+        else:
+            token_axis = 1 if first.indexing[name] == "batch_token" else None
+            joined = _cat_padded(values, 0, token_axis, [0.0] * len(values))
+            if joined is None:
+                return None
+            data[name] = joined
+    representation = {name: first.representation[name] for name in first.data}
+    indexing = {name: first.indexing[name] for name in first.data}
+    return first._derive(data, representation, indexing, validate=True)
+
+
 class GradientLayout:
     """Mixin of ``Gradient``: select layers, slice, concatenate and aggregate a block."""
 

@@ -43,6 +43,7 @@ from dattri_llm.gradient.ops.dot_blocks import (
     _named,
     _shared_layers,
     _sum_broadcast,
+    _sum_layers,
 )
 from dattri_llm.gradient.ops.dot_kernels import (
     _as_dense,
@@ -514,12 +515,13 @@ def layerwise_cross_dot(
             f"layerwise_cross_dot: no shared layer (train {sorted(train.data)}, test "
             f"{sorted(test.data)}, requested {layers}); capture the same layers on both sides."
         )
-    per_layer = {
-        name: _named(name, _layer_cross_dot, train, test, name, mode, dense_cache) for name in names
-    }
+
+    def layer(name: str) -> Tensor:
+        return _named(name, _layer_cross_dot, train, test, name, mode, dense_cache)
+
     if reduce == "none":
-        return per_layer
-    return _sum_broadcast(per_layer, "layerwise_cross_dot")
+        return {name: layer(name) for name in names}
+    return _sum_layers(names, layer, "layerwise_cross_dot")
 
 
 def _layer_cross_dot_per_token(train: GradientBlock, test: GradientBlock, name: str) -> Tensor:

@@ -9,7 +9,7 @@ errors that name the layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -79,4 +79,39 @@ def _sum_broadcast(per_layer: dict[str, Tensor], fn: str) -> Tensor:
                 "layers must share batch sizes (or have batch size 1 to broadcast)."
             )
         total += m
+    return total
+
+
+def _fits(total: Tensor, m: Tensor) -> bool:
+    """Whether adding ``m`` into ``total`` leaves its shape and dtype as they are."""
+    return (
+        m.dim() == total.dim()
+        and m.shape[0] in (1, total.shape[0])
+        and m.shape[-1] in (1, total.shape[-1])
+        and m.shape[1:-1] == total.shape[1:-1]
+        and torch.promote_types(total.dtype, m.dtype) == total.dtype
+    )
+
+
+def _sum_layers(names: list[str], compute: Callable[[str], Tensor], fn: str) -> Tensor:
+    """``_sum_broadcast({name: compute(name)})`` holding one layer's result at a time.
+
+    Each result is added into the running sum as soon as it is computed, so the
+    peak is the sum plus one layer's matrix rather than one matrix per layer.
+    The sum starts as zeros of the first result's shape and dtype and adds the
+    results in order, as :func:`_sum_broadcast` does when the first result has
+    the final shape and dtype (bit for bit). A later result that would widen
+    the shape or promote the dtype (a broadcast first layer, mixed dtypes)
+    makes it start over through :func:`_sum_broadcast` of every result.
+    """
+    total = None
+    for name in names:
+        m = compute(name)
+        if total is None:
+            total = m.new_zeros(m.shape, dtype=m.dtype)
+        elif not _fits(total, m):
+            del total, m
+            return _sum_broadcast({n: compute(n) for n in names}, fn)
+        total += m
+        del m
     return total

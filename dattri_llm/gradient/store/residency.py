@@ -141,13 +141,14 @@ class DiskResidency:
                     f"{SIDECAR_FILE}; it is not a complete gradient store."
                 )
             self._settings.merge_directory(directory, bool(self._index.groups))
-            lines = read_log(log)
-            for line in lines:
+            indexed = False
+            for line in read_log(log):  # one decoded line at a time
                 described = [
                     (int(r["step"]), [str(h) for h in r["hashes"]]) for r in line["records"]
                 ]
                 self._index.add_group(line["file"], described)
-            self._ranks.note_directory(directory, bool(lines))
+                indexed = True
+            self._ranks.note_directory(directory, indexed)
         self._ranks.finish_opening()
 
     def write(self, records: list[GradientRecord], base: str | None) -> str:

@@ -22,6 +22,7 @@ import torch.utils.data
 from tqdm.auto import tqdm
 
 from dattri_llm.gradient.model.container import Gradient, GradientRecord
+from dattri_llm.gradient.model.layout import concatenate_batches
 from dattri_llm.gradient.model.records import Factorized, base_layer_name
 from dattri_llm.gradient.stream.source import StreamBatch
 
@@ -126,8 +127,18 @@ def select_block_layers(
 
 
 def concatenate_gradients(gradients: Sequence[Gradient]) -> Gradient:
-    """Batch-concatenate blocks in order (pairwise tree: ``O(n log n)`` copying)."""
+    """Batch-concatenate blocks in order.
+
+    Blocks of one structure with a row per sample on every layer are joined in
+    one copy per payload (`concatenate_batches`); others pairwise as a tree
+    (``O(n log n)`` copying), which handles broadcast and ``param_grad``
+    layers. Both give the same result.
+    """
     level = list(gradients)
+    if len(level) > 2:
+        joined = concatenate_batches(level)
+        if joined is not None:
+            return joined
     while len(level) > 1:
         paired = [a.concatenate(b, dim="batch") for a, b in zip(level[::2], level[1::2])]
         level = paired + ([level[-1]] if len(level) % 2 else [])

@@ -20,6 +20,7 @@ from dattri_llm.attribution.algorithm.kronecker.options import (
 )
 from dattri_llm.attribution.algorithm.kronecker.persistence import fit_settings
 from dattri_llm.attribution.algorithm.kronecker.plan import resolve_kept_budget
+from dattri_llm.attribution.sources import open_store_directory
 from dattri_llm.gradient.storage_manager import GradientStorageManager
 from dattri_llm.utils.keywords import keywords
 
@@ -96,6 +97,8 @@ class KroneckerCalls:
                 "preconditioned queries for loop_over_test=True; set loop_over_test=True or drop "
                 "them."
             )
+        train_source = open_store_directory(train_source)  # one store (and index) per call
+        test_source = open_store_directory(test_source)
         self._start_call(options, layer_name, selected_training_steps)
         self._use_store_covariances(train_source)
         self._use_fisher_dir(fit_dir)
@@ -175,6 +178,7 @@ class KroneckerCalls:
         ``covariances={layer: (A, G)}`` replaces the covariance sweep (EK-FAC:
         must cover every eligible layer).
         """
+        train_source = open_store_directory(train_source)  # one store (and index) per call
         self._start_call(
             {
                 "non_kfac_strategy": non_kfac_strategy,
@@ -222,6 +226,8 @@ class KroneckerCalls:
         ``TracInAttributor.attribute_from_cache(train_dir, dir)`` then equals this
         attributor's score.
         """
+        train_source = open_store_directory(train_source)  # one store (and index) per call
+        test_source = open_store_directory(test_source)
         self._start_call(
             {
                 "damping": damping,

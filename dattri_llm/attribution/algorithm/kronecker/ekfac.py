@@ -239,6 +239,10 @@ class EKFACAttributor(KroneckerAttributor):
     ) -> dict[str, Any]:
         """``{layer: {"U_A", "U_G", "lam"}}``: covariance pass, ``eigh``, eigenvalue pass.
 
+        The covariances are dropped once their eigenbases are taken, so the
+        eigenvalue pass holds the bases only (supplied or recorded covariances
+        stay with their owner).
+
         Under a process group the Λ sums and sample counts are reduced over the
         union of the ranks' layers (``Λ`` = global sum / global count).
         """
@@ -246,9 +250,10 @@ class EKFACAttributor(KroneckerAttributor):
             self._check_covering(train_source)
         covariances = self.covariance_pass(train_source, fisher_acc)
         bases = {}
-        for name, (a_cov, g_cov) in covariances.items():
-            _, u_a, _, u_g = kfac_eigh(a_cov, g_cov)
+        for name in list(covariances):  # each (A, G) released once its eigenbases are taken
+            _, u_a, _, u_g = kfac_eigh(*covariances.pop(name))
             bases[name] = (u_a, u_g)
+        del covariances  # not held through the eigenvalue pass
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
 

@@ -49,10 +49,8 @@ def _store_selection(
     store's declared projection as canonical JSON.
     """
     counts: dict[int, int] = {}
-    for occurrences in store.index.values():
-        for entry in occurrences:
-            step = int(entry["step"])
-            counts[step] = counts.get(step, 0) + 1
+    for _, step, _, _, _ in store.index_rows():
+        counts[step] = counts.get(step, 0) + 1
     kept = sorted(counts) if steps is None else sorted(set(counts) & set(steps))
     return {
         "steps": kept,

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -435,14 +437,9 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
         """
         if self.is_replay(train_source):
             return None
-        wanted = set(steps)
-        counts = {}
-        for sample, occurrences in self.resolve_store(train_source).index.items():
-            if len(occurrences) > 1:
-                count = sum(1 for occurrence in occurrences if occurrence["step"] in wanted)
-                if count > 1:
-                    counts[sample] = count
-        return counts
+        rows = self.resolve_store(train_source).index_rows(steps)  # identifier by identifier
+        counts = ((sample, sum(1 for _ in group)) for sample, group in groupby(rows, itemgetter(0)))
+        return {sample: count for sample, count in counts if count > 1}
 
     def build_run_score(
         self,

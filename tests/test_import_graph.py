@@ -12,7 +12,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "dattri_llm"
 LAYERS = {"cli": 3, "attribution": 2, "gradient": 1, "utils": 0}
 # Imports that may stay inside a function: optional dependencies, never our own modules.
-DEFERRABLE = ("transformers", "dattri.", "torch.distributed.fsdp", "faiss.")
+DEFERRABLE = ("transformers", "dattri.", "torch.distributed.fsdp", "faiss.", "datasets.")
 
 
 def module_name(path: Path) -> str:

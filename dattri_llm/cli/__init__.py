@@ -2,7 +2,8 @@
 
 The top layer of the package: it imports the attribution and gradient tiers,
 and nothing imports it (``import dattri_llm`` does not load it). It needs the
-``cli`` extra (``transformers``, ``datasets``, ``pyyaml``).
+``transformers`` extra (``transformers``, which brings ``pyyaml``); reading
+parquet files and saved datasets also needs ``datasets`` (the ``cli`` extra).
 """
 
 from dattri_llm.cli.main import main

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import datasets
 import torch
 
 from dattri_llm.cli.arguments import DataArguments
@@ -44,25 +43,37 @@ def load_records(path: str) -> list[dict[str, Any]]:
     source = Path(path).expanduser()
     if not source.exists():
         raise CLIError(f"data file {source} not found")
-    if source.is_dir():
-        try:
-            loaded = datasets.load_from_disk(str(source))
-        except (FileNotFoundError, ValueError) as err:
-            raise CLIError(f"{source} is not a datasets.save_to_disk directory: {err}") from err
-        if isinstance(loaded, datasets.DatasetDict):
-            raise CLIError(
-                f"{source} holds a DatasetDict with splits {list(loaded)}; point at one split"
-            )
-        return [dict(row) for row in loaded]
+    if source.is_dir() or source.suffix.lower() == ".parquet":
+        return _dataset_records(source)
     suffix = source.suffix.lower()
-    if suffix == ".parquet":
-        return [dict(row) for row in datasets.Dataset.from_parquet(str(source))]
     text = source.read_text(encoding="utf-8")
     if suffix == ".txt":
         return [{"text": line} for line in text.splitlines() if line.strip()]
     if suffix in (".jsonl", ".json"):
         return _json_records(source, text)
     raise CLIError(f"{source}: unknown data format {suffix!r}; use .jsonl, .json, .txt or .parquet")
+
+
+def _dataset_records(source: Path) -> list[dict[str, Any]]:
+    """The records of a ``.parquet`` file or a ``save_to_disk`` directory (needs ``datasets``)."""
+    try:  # optional dependency: only these two formats need it
+        import datasets
+    except ImportError as err:
+        raise CLIError(
+            f"{source}: reading parquet files and saved datasets needs the datasets package; "
+            'pip install "dattri_llm[cli]" (or use a .jsonl / .txt file)'
+        ) from err
+    if source.suffix.lower() == ".parquet" and not source.is_dir():
+        return [dict(row) for row in datasets.Dataset.from_parquet(str(source))]
+    try:
+        loaded = datasets.load_from_disk(str(source))
+    except (FileNotFoundError, ValueError) as err:
+        raise CLIError(f"{source} is not a datasets.save_to_disk directory: {err}") from err
+    if isinstance(loaded, datasets.DatasetDict):
+        raise CLIError(
+            f"{source} holds a DatasetDict with splits {list(loaded)}; point at one split"
+        )
+    return [dict(row) for row in loaded]
 
 
 def _json_records(source: Path, text: str) -> list[dict[str, Any]]:

@@ -18,9 +18,14 @@ from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 __all__ = [
     "COMMANDS",
     "FIT_METHODS",
+    "LIVE_METHODS",
     "METHODS",
+    "TRAJECTORY_METHODS",
+    "AttributeStoreArguments",
     "CaptureArguments",
     "DataArguments",
+    "LiveDataArguments",
+    "LiveModelArguments",
     "MethodArguments",
     "ModelArguments",
     "PlanArguments",
@@ -29,10 +34,13 @@ __all__ = [
     "RunArguments",
     "StoreArguments",
     "TopKArguments",
+    "TrainArguments",
 ]
 
-METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", "lorif")
+TRAJECTORY_METHODS = ("trajectory_tracin", "dvemb", "adamw_influence")  # need `capture --train`
+METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", "lorif", *TRAJECTORY_METHODS)
 FIT_METHODS = ("kfac", "ekfac", "lorif")  # the methods whose fit `dattri-llm fit` persists
+LIVE_METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac")  # `attribute` without --store
 
 
 @dataclass
@@ -73,6 +81,19 @@ class ModelArguments:
     )
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow the model's own code from the Hub."}
+    )
+
+
+@dataclass
+class LiveModelArguments(ModelArguments):
+    """The model of a live ``attribute`` (without ``--store``), as for ``capture``."""
+
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Live attribute (no --store): Hugging Face Hub id or local directory "
+            "(AutoModelForCausalLM), with --train_data and --query_data."
+        },
     )
 
 
@@ -140,6 +161,48 @@ class PlanDataArguments(DataArguments):
     query_data: str | None = field(
         default=None, metadata={"help": "Query set file (as for capture). Without it: --num_test."}
     )
+
+
+@dataclass
+class LiveDataArguments(DataArguments):
+    """The data of a live ``attribute`` (without ``--store``): the files of `DataArguments`."""
+
+    train_data: str | None = field(
+        default=None,
+        metadata={"help": "Live attribute (no --store): the training set file, as for capture."},
+    )
+    query_data: str | None = field(
+        default=None,
+        metadata={"help": "Live attribute (no --store): the query set file, as for capture."},
+    )
+
+
+@dataclass
+class TrainArguments:
+    """Whether ``capture`` trains the model over the training set while recording the run."""
+
+    train: bool = field(
+        default=False,
+        metadata={
+            "help": "Train one epoch over the training set (AdamW with the optimizer options: "
+            "--learning_rate, --weight_decay, --lr_scheduler_type, --max_grad_norm, batch "
+            "and accumulation sizes, --seed) and record the run: every step's per-sample "
+            "gradients, learning rates and training dynamics; the queries are captured at "
+            "the trained weights. Needed by trajectory_tracin, dvemb and adamw_influence."
+        },
+    )
+    save_model: bool = field(
+        default=False,
+        metadata={
+            "help": "With --train: also save the trained model and tokenizer to "
+            "<output_dir>/trained_model (save_pretrained)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        """``ValueError`` for ``--save_model`` without ``--train``."""
+        if self.save_model and not self.train:
+            raise ValueError("--save_model saves the trained weights; it needs --train")
 
 
 @dataclass
@@ -212,10 +275,32 @@ class StoreArguments:
 
 
 @dataclass
+class AttributeStoreArguments(StoreArguments):
+    """Where the gradient stores are; without it, ``attribute`` runs live from a model and data."""
+
+    store: str | None = field(
+        default=None,
+        metadata={
+            "help": "Output directory of a dattri-llm capture run. Without it: live attribute "
+            "from --model, --train_data and --query_data (graddot, gradcos, kfac, ekfac; "
+            "no store written)."
+        },
+    )
+
+
+@dataclass
 class MethodArguments:
     """The attribution method and its options."""
 
-    method: str = field(default="graddot", metadata={"help": "One of: " + ", ".join(METHODS) + "."})
+    method: str = field(
+        default="graddot",
+        metadata={
+            "help": "One of: "
+            + ", ".join(METHODS)
+            + ". trajectory_tracin, dvemb and adamw_influence score the run of a "
+            "`capture --train` (adamw_influence: a more negative score is more helpful)."
+        },
+    )
     damping: float | None = field(
         default=None,
         metadata={
@@ -244,7 +329,9 @@ class MethodArguments:
 
     def __post_init__(self) -> None:
         """``ValueError`` for an unknown method."""
-        self.method = self.method.lower().replace("-", "")
+        name = self.method.lower()
+        self.method = name.replace("-", "_") if name.replace("-", "_") in METHODS else name
+        self.method = self.method.replace("-", "")
         if self.method not in METHODS:
             raise ValueError(f"unknown --method {self.method!r}; choose one of {list(METHODS)}")
 
@@ -371,16 +458,25 @@ COMMANDS: dict[str, tuple[str, tuple[type, ...]]] = {
         ),
     ),
     "capture": (
-        "Capture per-sample gradients of the training and query sets (one pass, no training).",
-        (ModelArguments, DataArguments, CaptureArguments, AttributionArguments),
+        "Capture per-sample gradients of the training and query sets (one frozen pass, or "
+        "with --train one recorded epoch of training).",
+        (ModelArguments, DataArguments, CaptureArguments, TrainArguments, AttributionArguments),
     ),
     "fit": (
         "Fit the curvature of kfac / ekfac / lorif over a capture's training store, for reuse.",
         (StoreArguments, MethodArguments, AttributionArguments),
     ),
     "attribute": (
-        "Score every training sample against every query from the stores of a capture run.",
-        (StoreArguments, MethodArguments, AttributionArguments),
+        "Score every training sample against every query, from the stores of a capture run "
+        "or live from a model and data.",
+        (
+            AttributeStoreArguments,
+            LiveModelArguments,
+            LiveDataArguments,
+            CaptureArguments,
+            MethodArguments,
+            AttributionArguments,
+        ),
     ),
     "top-k": (
         "Each query's k best training samples from the stores of a capture run.",

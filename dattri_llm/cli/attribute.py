@@ -1,9 +1,16 @@
-"""``dattri-llm attribute``: the full score of one method from a capture's stores.
+"""``dattri-llm attribute``: the full score of one method, from a capture's stores or live.
 
-Writes the ``AttributionScore`` (``scores.pt``, ``metadata.json``, re-read by
-``AttributionScore.load``), whatever fit the method keeps and the run plan
-(``plan.txt``, ``plan.json``) into the output directory. ``--fit`` reuses the
-fit of ``dattri-llm fit`` (the same scores as fitting here, bit for bit).
+From a capture (``--store``): writes the ``AttributionScore`` (``scores.pt``,
+``metadata.json``, re-read by ``AttributionScore.load``), whatever fit the
+method keeps and the run plan (``plan.txt``, ``plan.json``) into the output
+directory. ``--fit`` reuses the fit of ``dattri-llm fit`` (the same scores as
+fitting here, bit for bit). The trajectory methods need a trained capture
+(``capture --train``).
+
+Live (``--model``, ``--train_data`` and ``--query_data`` instead of
+``--store``): loads the model and data as ``capture`` does and runs the
+method's ``attribute(train, test)`` (Grad-Dot, Grad-Cos, K-FAC, EK-FAC), no
+store written; the same score as ``capture`` + ``attribute --store``.
 """
 
 from __future__ import annotations
@@ -13,45 +20,136 @@ from pathlib import Path
 from typing import Any
 
 from dattri_llm.attribution.arguments import AttributionArguments
-from dattri_llm.cli.arguments import MethodArguments, StoreArguments
+from dattri_llm.cli.arguments import (
+    LIVE_METHODS,
+    AttributeStoreArguments,
+    CaptureArguments,
+    LiveDataArguments,
+    LiveModelArguments,
+    MethodArguments,
+)
+from dattri_llm.cli.capture import input_plan, load_inputs
+from dattri_llm.cli.errors import CLIError
 from dattri_llm.cli.methods import build_attributor
-from dattri_llm.cli.plan import store_preflight
+from dattri_llm.cli.model import causal_lm_loss
+from dattri_llm.cli.plan import preflight, store_preflight
 from dattri_llm.cli.stores import capture_stores
+from dattri_llm.task import AttributionTask
 
-__all__ = ["run_attribute"]
+__all__ = ["check_source", "run_attribute"]
+
+
+def check_source(
+    store_args: AttributeStoreArguments,
+    model_args: LiveModelArguments,
+    data_args: LiveDataArguments,
+    method_args: MethodArguments,
+) -> bool:
+    """Whether the run is live; ``CLIError`` unless it has one source, and a method it serves.
+
+    A capture is ``--store``; a live run is ``--model`` with ``--train_data``
+    and ``--query_data``.
+    """
+    live = {
+        "--model": model_args.model,
+        "--train_data": data_args.train_data,
+        "--query_data": data_args.query_data,
+    }
+    given = [flag for flag, value in live.items() if value is not None]
+    if store_args.store is not None:
+        if given:
+            raise CLIError(
+                f"--store scores a capture and {', '.join(given)} a live run; give one of them"
+            )
+        return False
+    if not given:
+        raise CLIError("give --store (a capture), or --model, --train_data and --query_data (live)")
+    missing = [flag for flag in live if flag not in given]
+    if missing:
+        raise CLIError(f"live attribute (no --store) also needs {', '.join(missing)}")
+    if method_args.method not in LIVE_METHODS:
+        raise CLIError(
+            f"live attribute serves {', '.join(LIVE_METHODS)}; for {method_args.method}, "
+            f"run `dattri-llm capture{'' if method_args.method == 'lorif' else ' --train'}` "
+            "and `attribute --store`"
+        )
+    return True
 
 
 def run_attribute(
     staging: Path,
     args: AttributionArguments,
-    store_args: StoreArguments,
+    store_args: AttributeStoreArguments,
+    model_args: LiveModelArguments,
+    data_args: LiveDataArguments,
+    capture_args: CaptureArguments,
     method_args: MethodArguments,
     *,
     quiet: bool,
     force: bool = False,
     final: Path | None = None,
 ) -> dict[str, Any]:
-    """Score the stores into ``staging``; return a short summary.
+    """Score the stores (or live) into ``staging``; return a short summary.
 
-    The run plan comes first (:func:`~dattri_llm.cli.plan.store_preflight`):
-    ``CLIError`` when the fit and scoring would not fit the free memory, or
-    the scores the free disk, unless ``force``.
+    The run plan comes first (:func:`~dattri_llm.cli.plan.store_preflight`
+    from a capture, the loaded model and data live): ``CLIError`` when the fit
+    and scoring would not fit the free memory, or the scores the free disk,
+    unless ``force``.
     """
-    train_dir, query_dir = capture_stores(store_args.store)
-    attributor, options = build_attributor(
-        dataclasses.replace(args, output_dir=str(staging)), method_args
-    )
-    store_preflight(
+    run_args = dataclasses.replace(args, output_dir=str(staging))
+    if check_source(store_args, model_args, data_args, method_args):
+        score = _live_score(
+            staging, run_args, model_args, data_args, capture_args, method_args, quiet, force, final
+        )
+    else:
+        train_dir, query_dir = capture_stores(store_args.store)
+        attributor, options = build_attributor(run_args, method_args, store_args.store)
+        store_preflight(
+            "attribute",
+            store_args.store,
+            method_args,
+            args,
+            final or staging,
+            staging,
+            force=force,
+            quiet=quiet,
+        )
+        score = attributor.attribute_from_cache(train_dir, query_dir, verbose=not quiet, **options)
+    score.save(staging)
+    rows, queries = score.scores.shape[:2]
+    return {"algorithm": score.algorithm, "rows": rows, "queries": queries}
+
+
+def _live_score(
+    staging: Path,
+    args: AttributionArguments,
+    model_args: LiveModelArguments,
+    data_args: LiveDataArguments,
+    capture_args: CaptureArguments,
+    method_args: MethodArguments,
+    quiet: bool,
+    force: bool,
+    final: Path | None,
+) -> Any:
+    """The method's live ``attribute(train, test)`` over the model and data (no store)."""
+    model, _tokenizer, _layers, sets = load_inputs(model_args, data_args, capture_args, quiet=quiet)
+    plan = input_plan(model, sets, capture_args, method_args.method, args)
+    preflight(
         "attribute",
-        store_args.store,
-        method_args,
-        args,
+        plan,
+        method_args.method,
         final or staging,
         staging,
         force=force,
         quiet=quiet,
+        reuses_fit=method_args.fit is not None,
     )
-    score = attributor.attribute_from_cache(train_dir, query_dir, verbose=not quiet, **options)
-    score.save(staging)
-    rows, queries = score.scores.shape[:2]
-    return {"algorithm": score.algorithm, "rows": rows, "queries": queries}
+    task = AttributionTask(loss_func=causal_lm_loss, model=model)
+    attributor, options = build_attributor(args, method_args, task=task)
+    return attributor.attribute(
+        sets["train"].samples,
+        sets["query"].samples,
+        hook_config=capture_args.hook_config(),
+        verbose=not quiet,
+        **options,
+    )

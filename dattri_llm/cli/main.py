@@ -81,8 +81,9 @@ def _run(command: str, argv: list[str]) -> None:
     with staged_output(final, resolved_config(command, parsed)) as staging:
         if command == "capture":
             summary = run_capture(staging, args, *options, **checked)
+            how = "trained on and captured" if summary.get("trained") else "captured"
             message = (
-                f"captured {summary['train']} training and {summary['query']} query "
+                f"{how} {summary['train']} training and {summary['query']} query "
                 f"samples over {summary['layers']} layers"
             )
         elif command == "attribute":

@@ -7,17 +7,43 @@ from typing import Any
 
 import yaml
 
+from dattri_llm.attribution.algorithm.adamw_influence import (
+    ADAMW_DYNAMICS_FILE,
+    AdamWInfluenceAttributor,
+)
+from dattri_llm.attribution.algorithm.dvemb import DVEmbAttributor
 from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
 from dattri_llm.attribution.algorithm.kronecker.persistence import FISHER_FILE
 from dattri_llm.attribution.algorithm.lorif import FIT_FILE, LoRIFAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseInnerProductAttributor
-from dattri_llm.cli.arguments import FIT_METHODS, MethodArguments
+from dattri_llm.cli.arguments import FIT_METHODS, TRAJECTORY_METHODS, MethodArguments
 from dattri_llm.cli.errors import CLIError
-from dattri_llm.cli.output import CONFIG_FILE
+from dattri_llm.cli.output import CONFIG_FILE, STORE_DIRS
+from dattri_llm.cli.stores import capture_config
+from dattri_llm.task import AttributionTask
 
-__all__ = ["build_attributor", "check_fit_method", "fit_file", "reused_fit"]
+__all__ = [
+    "TRAJECTORY_KEYWORDS",
+    "build_attributor",
+    "check_fit_method",
+    "check_store_method",
+    "fit_file",
+    "reused_fit",
+]
+
+# The keywords of a trajectory method's *_from_cache calls on a `capture --train` run: the
+# training loss is the sum of the samples' losses (each row is the sample's own gradient),
+# DVEmb takes the recorded learning rates (its library default is 1.0), and the queries are
+# carried back (propagation="test": memory ∝ queries × coordinates, where the train-side
+# summary is coordinates × coordinates; the same scores).
+TRAJECTORY_KEYWORDS: dict[str, dict[str, Any]] = {
+    "trajectory_tracin": {},
+    "dvemb": {"learning_rate": None, "loss_reduction": "sum", "propagation": "test"},
+    "adamw_influence": {"loss_reduction": "sum", "propagation": "test"},
+}
 
 
 def fit_file(method: str) -> str:
@@ -54,23 +80,61 @@ def reused_fit(method_args: MethodArguments) -> str | None:
     return str(root)
 
 
+def check_store_method(store: str, method: str) -> None:
+    """``CLIError`` unless the capture ``store`` can be scored by ``method``.
+
+    The trajectory methods need a trained capture (``capture --train``);
+    ``adamw_influence`` one whose run recorded the AdamW moments.
+    """
+    if method not in TRAJECTORY_METHODS:
+        return
+    config = capture_config(store)
+    if not config.get("train", False):
+        raise CLIError(
+            f"{method} scores a recorded training run and --store {store} is a frozen capture; "
+            "capture with `dattri-llm capture --train`"
+        )
+    moments = Path(store).expanduser() / STORE_DIRS["train"] / ADAMW_DYNAMICS_FILE
+    if method == "adamw_influence" and not moments.is_file():
+        raise CLIError(
+            f"adamw_influence needs an AdamW run and --store {store} trained with --optim "
+            f"{config.get('optim')!r}; capture --train with --optim adamw_torch"
+        )
+
+
 def build_attributor(
-    args: AttributionArguments, method: MethodArguments
+    args: AttributionArguments,
+    method: MethodArguments,
+    store: str | None = None,
+    task: AttributionTask | None = None,
 ) -> tuple[BaseInnerProductAttributor, dict[str, Any]]:
     """``(attributor, keywords of attribute_from_cache / top_k_from_cache)`` of a method.
 
     With ``--fit`` the keywords include its ``fit_dir`` (checked by :func:`reused_fit`).
+    With ``store`` (a capture) the method is checked against it first
+    (:func:`check_store_method`). ``task``: the model and loss of a live run.
     """
     name = method.method
+    if store is not None:
+        check_store_method(store, name)
+    if name in TRAJECTORY_METHODS:
+        if method.fit is not None:
+            check_fit_method(name, "--fit")
+        cls = {
+            "trajectory_tracin": TrajectoryTracInAttributor,
+            "dvemb": DVEmbAttributor,
+            "adamw_influence": AdamWInfluenceAttributor,
+        }[name]
+        return cls(args, task=task), dict(TRAJECTORY_KEYWORDS[name])
     fit_dir = reused_fit(method)
     extra = {} if fit_dir is None else {"fit_dir": fit_dir}
     if name in ("graddot", "tracin", "gradcos"):
-        return TracInAttributor(args), {"normalized_grad": name == "gradcos"}
+        return TracInAttributor(args, task=task), {"normalized_grad": name == "gradcos"}
     if name in ("kfac", "ekfac"):
         attributor = (
-            KFACAttributor(args)
+            KFACAttributor(args, task=task)
             if name == "kfac"
-            else EKFACAttributor(args, mode=method.ekfac_mode)
+            else EKFACAttributor(args, task=task, mode=method.ekfac_mode)
         )
         damping = 1e-3 if method.damping is None else method.damping
         return attributor, {
@@ -79,6 +143,10 @@ def build_attributor(
             **extra,
         }
     attributor = LoRIFAttributor(
-        args, rank=method.lorif_rank, svd_rank=method.lorif_svd_rank, damping=method.damping
+        args,
+        task=task,
+        rank=method.lorif_rank,
+        svd_rank=method.lorif_svd_rank,
+        damping=method.damping,
     )
     return attributor, extra

@@ -7,7 +7,7 @@ tokenizer (re-tokenized as the capture did; their ids are checked), and writes
 each token is shaded by the method's token-granularity score
 (``attribute_from_cache(..., attribution_granularity="token")``); a store that
 cannot give token rows (a materialized or projected capture, or a method
-without them) gives an unshaded page that says why. ``--format text|json``
+without them: the trajectory methods) gives an unshaded page that says why. ``--format text|json``
 also writes the top-k table (``top_k.txt`` / ``top_k.json``) and prints it.
 """
 
@@ -20,7 +20,12 @@ from typing import Any
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.report import write_token_report
 from dattri_llm.attribution.score import AttributionScore
-from dattri_llm.cli.arguments import MethodArguments, ReportArguments, StoreArguments
+from dattri_llm.cli.arguments import (
+    TRAJECTORY_METHODS,
+    MethodArguments,
+    ReportArguments,
+    StoreArguments,
+)
 from dattri_llm.cli.data import TokenizedSet
 from dattri_llm.cli.methods import build_attributor
 from dattri_llm.cli.model import load_tokenizer
@@ -50,6 +55,11 @@ def _token_score(
     quiet: bool,
 ) -> tuple[AttributionScore | None, str | None]:
     """The method's token-granularity score, or ``None`` and why the tokens stay unshaded."""
+    if method_args.method in TRAJECTORY_METHODS:
+        return None, (
+            f"Tokens are unshaded: {method_args.method} scores each sample at its training "
+            "step and has no token-level scores."
+        )
     attributor, options = build_attributor(args, method_args)
     try:
         score = attributor.attribute_from_cache(
@@ -87,7 +97,7 @@ def run_report(
     model_args, _capture, _config = capture_arguments(store_args.store)
     tokenizer = load_tokenizer(model_args)
     sets = captured_sets(store_args.store, tokenizer)
-    attributor, options = build_attributor(run_args, method_args)
+    attributor, options = build_attributor(run_args, method_args, store_args.store)
     top = attributor.top_k_from_cache(
         train_dir,
         query_dir,

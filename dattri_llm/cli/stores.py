@@ -20,6 +20,7 @@ __all__ = [
     "capture_config",
     "capture_stores",
     "captured_sets",
+    "is_trained",
     "sample_rows",
     "sample_texts",
 ]
@@ -35,6 +36,11 @@ def capture_config(store: str) -> dict[str, Any]:
     if not isinstance(recorded, dict) or recorded.get("command") != "capture":
         raise CLIError(f"--store {root} is not the output directory of `dattri-llm capture`")
     return recorded
+
+
+def is_trained(store: str) -> bool:
+    """Whether a capture recorded a training run (``capture --train``), not a frozen pass."""
+    return bool(capture_config(store).get("train", False))
 
 
 def capture_stores(store: str) -> tuple[str, str]:

@@ -38,7 +38,7 @@ def run_top_k(
     """Rank into ``staging``; return the text to print."""
     train_dir, query_dir = capture_stores(store_args.store)
     attributor, options = build_attributor(
-        dataclasses.replace(args, output_dir=str(staging)), method_args
+        dataclasses.replace(args, output_dir=str(staging)), method_args, store_args.store
     )
     if top_args.index is not None:
         return write_top_k(
@@ -144,6 +144,8 @@ def render_text(result: dict[str, Any]) -> str:
     """A plain-text table: per query, its rank, score, training id and text."""
     kind = "proponents" if result["proponents"] else "opponents"
     lines = [f"{result['algorithm']}: top {result['k']} {kind} per query"]
+    if result["polarity"] < 0:
+        lines[0] += " (a more negative score is more helpful)"
     for number, query in enumerate(result["queries"], start=1):
         label = query["text"] if query["text"] is not None else query["id"]
         lines += ["", f"query {number}: {label}"]

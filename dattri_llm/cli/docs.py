@@ -29,6 +29,11 @@ dattri-llm fit       --store ./captured --method kfac --output_dir ./kfac_fit
 dattri-llm attribute --store ./captured --method kfac --fit ./kfac_fit --output_dir ./scores
 dattri-llm top-k     --store ./captured --method graddot --k 5 --output_dir ./top
 dattri-llm report    --store ./captured --method graddot --k 5 --output_dir ./report
+dattri-llm capture   --model ./my-model --train_data train.jsonl --query_data queries.jsonl \\
+                     --train --learning_rate 1e-4 --output_dir ./trained
+dattri-llm top-k     --store ./trained --method adamw_influence --k 5 --output_dir ./top_adamw
+dattri-llm attribute --model ./my-model --train_data train.jsonl --query_data queries.jsonl \\
+                     --method graddot --output_dir ./live_scores
 ```
 
 Every option is a flag (`--name value`; a boolean also as `--name` alone) and
@@ -68,25 +73,51 @@ What each command writes:
   `attribute_from_cache` reads (the layout `TracInAttributor.cache` writes);
   `train_samples.jsonl` and `query_samples.jsonl` (each sample's id, index and
   text); the plan; `config.yaml`. One frozen pass, no training; the loss of a
-  sample is its mean next-token loss over its scored tokens.
+  sample is its mean next-token loss over its scored tokens. With `--train` the
+  model is trained one epoch over the training set instead
+  (`AdamWInfluenceAttributor.cache`: AdamW with `--learning_rate`,
+  `--weight_decay`, `--lr_scheduler_type`, `--max_grad_norm`, the batch and
+  accumulation sizes, shuffled by `--seed` / `--data_seed`; a batch's loss is
+  the sum of its samples' losses) while the run is recorded: `ckpt_0/train_grads`
+  holds every step's per-sample gradients with `lr_schedule.json`,
+  `training_dynamics.json` and the AdamW moments (`adamw_dynamics.pt`), and
+  `ckpt_0/test_grads` the queries at the trained weights. `config.yaml` records
+  `train: true`; the same config replays the same stores bit for bit (the run
+  is seeded). The trained weights are dropped unless `--save_model`
+  (`trained_model/`). With another `--optim` the run is recorded without the
+  moments (`trajectory_tracin` and `dvemb` only).
 * `fit`: the damping-free fit of `kfac` / `ekfac` (`fisher_factors.pt`) or
   `lorif` (`lorif_fit.pt`) over the training store, the plan, `config.yaml`.
   `attribute`, `top-k` and `report` with `--fit <dir>` reuse it: the same
   scores as fitting in the call, bit for bit (only `--damping` may differ).
 * `attribute`: `scores.pt` and `metadata.json` (`AttributionScore.load`), any fit
-  the method keeps, the plan, `config.yaml`.
+  the method keeps, the plan, `config.yaml`. Without `--store`, from `--model`,
+  `--train_data` and `--query_data` (with the data and layer options of
+  `capture`), it scores live (the method's `attribute(train, test)`; `graddot`,
+  `gradcos`, `kfac`, `ekfac`) and writes no store: the same score as `capture`
+  then `attribute --store`. Both `--store` and the live options, or neither, is
+  refused.
 * `top-k`: `top_k.json` and `top_k.txt` (each query's k best training samples,
   with their texts), `config.yaml`; `--format` picks which one is printed.
 * `report`: `report.html` (`write_token_report`): each query's top-k training
   samples, their tokens (re-tokenized from `train_samples.jsonl` with the
   capture's tokenizer) shaded by the method's token-granularity score; a store
   that cannot give token rows (materialized or projected captures) gives an
-  unshaded page that says why. `--format text|json` also writes and prints
-  `top_k.txt` / `top_k.json`.
+  unshaded page that says why (so do the trajectory methods: no token rows).
+  `--format text|json` also writes and prints `top_k.txt` / `top_k.json`.
 
 Methods (`--method`): `graddot` (= `tracin`: `TracInAttributor`), `gradcos`
 (`TracInAttributor`, `normalized_grad=True`), `kfac` (`KFACAttributor`),
-`ekfac` (`EKFACAttributor`), `lorif` (`LoRIFAttributor`).
+`ekfac` (`EKFACAttributor`), `lorif` (`LoRIFAttributor`), and the trajectory
+methods, which score the recorded run of a `capture --train` (a frozen capture
+is refused): `trajectory_tracin` (`TrajectoryTracInAttributor`, the recorded
+learning rates), `dvemb` (`DVEmbAttributor`, the recorded learning rates) and
+`adamw_influence` (`AdamWInfluenceAttributor`), the last two with
+`loss_reduction="sum"` and `propagation="test"`. AdamW-influence's polarity is
+-1: a more negative score is more helpful, and `top-k` / `report` rank so
+(the text table says it). The inner-product methods also score a trained
+capture (each sample's gradient at the step that trained on it). The plan
+counts a trajectory method as `graddot`.
 """
 
 

@@ -180,3 +180,17 @@ def test_trained_capture_replays_bit_for_bit(trained, tmp_path):
     weights = [AutoModelForCausalLM.from_pretrained(c / "trained_model").state_dict()
                for c in (trained, again)]  # fmt: skip
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_sgd_run_serves_tracin_and_dvemb_not_adamw_influence(workspace, tmp_path, capsys):
+    out = tmp_path / "sgd"
+    assert main(capture_argv(workspace, out, "--train", "--optim", "sgd")) == 0
+    assert not (out / "ckpt_0" / "train_grads" / "adamw_dynamics.pt").exists()
+    for method in ("trajectory_tracin", "dvemb"):
+        expected = library_score(out, method, tmp_path)
+        assert torch.equal(attribute(out, tmp_path / method, method).scores, expected.scores)
+    argv = ["attribute", "--store", str(out), "--method", "adamw_influence",
+            "--output_dir", str(tmp_path / "a"), "--quiet"]  # fmt: skip
+    assert "needs an AdamW run" in fails(argv, capsys)
+    argv = capture_argv(workspace, tmp_path / "r", "--train", "--recompute_gradients")
+    assert "drop --recompute_gradients" in fails(argv, capsys)

@@ -189,6 +189,7 @@ def test_sgd_run_serves_tracin_and_dvemb_not_adamw_influence(workspace, tmp_path
     for method in ("trajectory_tracin", "dvemb"):
         expected = library_score(out, method, tmp_path)
         assert torch.equal(attribute(out, tmp_path / method, method).scores, expected.scores)
+    capsys.readouterr()  # the sweeps' warnings
     argv = ["attribute", "--store", str(out), "--method", "adamw_influence",
             "--output_dir", str(tmp_path / "a"), "--quiet"]  # fmt: skip
     assert "needs an AdamW run" in fails(argv, capsys)

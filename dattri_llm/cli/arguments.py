@@ -18,6 +18,7 @@ from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 __all__ = [
     "COMMANDS",
     "FIT_METHODS",
+    "LESS_METHOD",
     "LIVE_METHODS",
     "METHODS",
     "TRAJECTORY_METHODS",
@@ -38,7 +39,10 @@ __all__ = [
 ]
 
 TRAJECTORY_METHODS = ("trajectory_tracin", "dvemb", "adamw_influence")  # need `capture --train`
-METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", "lorif", *TRAJECTORY_METHODS)
+LESS_METHOD = "less"  # needs `capture --train --less` (Adam-preconditioned train gradients)
+METHODS = (
+    "graddot", "tracin", "gradcos", "kfac", "ekfac", "lorif", *TRAJECTORY_METHODS, LESS_METHOD,
+)  # fmt: skip
 FIT_METHODS = ("kfac", "ekfac", "lorif")  # the methods whose fit `dattri-llm fit` persists
 LIVE_METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac")  # `attribute` without --store
 
@@ -199,10 +203,21 @@ class TrainArguments:
         },
     )
 
+    less: bool = field(
+        default=False,
+        metadata={
+            "help": "With --train (AdamW): record the run for the less method instead: every "
+            "step's per-sample gradients preconditioned by Adam's state before the step, "
+            "with the learning rates and training dynamics. Such a capture serves less only."
+        },
+    )
+
     def __post_init__(self) -> None:
-        """``ValueError`` for ``--save_model`` without ``--train``."""
+        """``ValueError`` for ``--save_model`` or ``--less`` without ``--train``."""
         if self.save_model and not self.train:
             raise ValueError("--save_model saves the trained weights; it needs --train")
+        if self.less and not self.train:
+            raise ValueError("--less records a training run for LESS; it needs --train")
 
 
 @dataclass
@@ -298,7 +313,8 @@ class MethodArguments:
             "help": "One of: "
             + ", ".join(METHODS)
             + ". trajectory_tracin, dvemb and adamw_influence score the run of a "
-            "`capture --train` (adamw_influence: a more negative score is more helpful)."
+            "`capture --train` (adamw_influence: a more negative score is more helpful); "
+            "less (LESS) the run of a `capture --train --less`."
         },
     )
     damping: float | None = field(

@@ -5,7 +5,7 @@ From a capture (``--store``): writes the ``AttributionScore`` (``scores.pt``,
 method keeps and the run plan (``plan.txt``, ``plan.json``) into the output
 directory. ``--fit`` reuses the fit of ``dattri-llm fit`` (the same scores as
 fitting here, bit for bit). The trajectory methods need a trained capture
-(``capture --train``).
+(``capture --train``), less a ``capture --train --less``.
 
 Live (``--model``, ``--train_data`` and ``--query_data`` instead of
 ``--store``): loads the model and data as ``capture`` does and runs the
@@ -37,6 +37,8 @@ from dattri_llm.cli.stores import capture_stores
 from dattri_llm.task import AttributionTask
 
 __all__ = ["check_source", "run_attribute"]
+
+_CAPTURE_FLAGS = {"lorif": "", "less": " --train --less"}  # the capture a stored method needs
 
 
 def check_source(
@@ -70,7 +72,7 @@ def check_source(
     if method_args.method not in LIVE_METHODS:
         raise CLIError(
             f"live attribute serves {', '.join(LIVE_METHODS)}; for {method_args.method}, "
-            f"run `dattri-llm capture{'' if method_args.method == 'lorif' else ' --train'}` "
+            f"run `dattri-llm capture{_CAPTURE_FLAGS.get(method_args.method, ' --train')}` "
             "and `attribute --store`"
         )
     return True

@@ -10,7 +10,11 @@ recorded (``AdamWInfluenceAttributor.cache``): ``ckpt_0/train_grads`` holds
 every step's per-sample gradients with the run's ``lr_schedule.json``,
 ``training_dynamics.json`` and ``adamw_dynamics.pt``, and ``ckpt_0/test_grads``
 the queries at the trained weights; the trained model is discarded unless
-``--save_model`` (``trained_model/``).
+``--save_model`` (``trained_model/``). ``--train --less`` records the run for LESS
+instead (``LESSAttributor.cache(enable_update=True)``): ``ckpt_0/train_grads``
+holds every step's per-sample gradients preconditioned by Adam's state before
+the step, with the run's learning rates and training dynamics, and
+``ckpt_0/test_grads`` the queries at the loaded weights (taken before training).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dattri_llm.attribution.algorithm.adamw_influence import AdamWInfluenceAttributor
+from dattri_llm.attribution.algorithm.less import LESSAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
@@ -45,7 +50,14 @@ from dattri_llm.cli.plan import build_plan, preflight
 from dattri_llm.gradient.hooks.config import HookManagerConfig, resolve_hook_assignments
 from dattri_llm.task import AttributionTask
 
-__all__ = ["ADAMW_OPTIMS", "TRAINED_MODEL_DIR", "load_inputs", "record_training", "run_capture"]
+__all__ = [
+    "ADAMW_OPTIMS",
+    "TRAINED_MODEL_DIR",
+    "load_inputs",
+    "record_less",
+    "record_training",
+    "run_capture",
+]
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw")  # the optimizers AdamW-influence models
 TRAINED_MODEL_DIR = "trained_model"  # capture --train --save_model
@@ -117,8 +129,14 @@ def run_capture(
     while the run is recorded (:func:`record_training`).
     """
     train = train_args is not None and train_args.train
+    less = train and train_args.less
     if train and args.recompute_gradients:
         raise CLIError("capture --train records every step's gradients; drop --recompute_gradients")
+    if less and args.optim not in ADAMW_OPTIMS:
+        raise CLIError(
+            f"capture --train --less preconditions with Adam's state; --optim {args.optim!r} "
+            "has none: use --optim adamw_torch"
+        )
     model, tokenizer, layers, sets = load_inputs(model_args, data_args, capture_args, quiet=quiet)
     plan = input_plan(model, sets, capture_args, "graddot", args)
     preflight("capture", plan, "graddot", final or staging, staging, force=force, quiet=quiet)
@@ -130,7 +148,9 @@ def run_capture(
     batches = math.ceil(len(sets["train"].samples) / args.per_device_train_batch_size)
     desc = "train and record" if train else "capture (training set)"
     with tqdm(total=batches, desc=desc, unit="batch", disable=quiet) as bar:
-        if train:
+        if less:
+            record_less(run_args, task, sets, staging, hook_config, lambda: bar.update(1))
+        elif train:
             record_training(run_args, task, sets, staging, hook_config, lambda: bar.update(1))
         else:
             TracInAttributor(run_args, task=task).cache(
@@ -148,6 +168,7 @@ def run_capture(
         "train": len(sets["train"].ids),
         "query": len(sets["query"].ids),
         "trained": train,
+        "less": less,
     }
 
 
@@ -181,6 +202,34 @@ def record_training(
         sets["query"].samples,
         cache_dir=str(root),
         hook_config=hook_config,
+    )
+
+
+def record_less(
+    args: AttributionArguments,
+    task: AttributionTask,
+    sets: dict[str, TokenizedSet],
+    staging: Path,
+    hook_config: HookManagerConfig,
+    on_batch: Callable[[], None],
+) -> None:
+    """Train the task model one AdamW epoch, recording LESS's run under ``ckpt_0``.
+
+    ``LESSAttributor.cache(enable_update=True)``: each step's per-sample
+    gradients preconditioned by Adam's state before the step (the training
+    loss is the sum of the samples' losses: ``loss_reduction="sum"``), the
+    learning rates and training dynamics; the queries raw, taken before
+    training (at the loaded weights). ``on_batch`` is called after every
+    training batch.
+    """
+    LESSAttributor(args, task=task).cache(
+        sets["train"].samples,
+        sets["query"].samples,
+        cache_dir=str(staging),
+        hook_config=hook_config,
+        enable_update=True,
+        loss_reduction="sum",
+        on_train_block=lambda *_: on_batch(),
     )
 
 

@@ -85,7 +85,13 @@ What each command writes:
   `train: true`; the same config replays the same stores bit for bit (the run
   is seeded). The trained weights are dropped unless `--save_model`
   (`trained_model/`). With another `--optim` the run is recorded without the
-  moments (`trajectory_tracin` and `dvemb` only).
+  moments (`trajectory_tracin` and `dvemb` only). `--train --less` (AdamW
+  only) records the run for `less` instead (`LESSAttributor.cache` with
+  `enable_update=True`, `loss_reduction="sum"`): every step's per-sample
+  gradients preconditioned by Adam's state before the step, with
+  `lr_schedule.json` and `training_dynamics.json`, and the queries at the
+  loaded weights (taken before training); `config.yaml` records `less: true`.
+  Such a capture serves `less` only, and `less` no other capture.
 * `fit`: the damping-free fit of `kfac` / `ekfac` (`fisher_factors.pt`) or
   `lorif` (`lorif_fit.pt`) over the training store, the plan, `config.yaml`.
   `attribute`, `top-k` and `report` with `--fit <dir>` reuse it: the same
@@ -116,8 +122,13 @@ learning rates), `dvemb` (`DVEmbAttributor`, the recorded learning rates) and
 `loss_reduction="sum"` and `propagation="test"`. AdamW-influence's polarity is
 -1: a more negative score is more helpful, and `top-k` / `report` rank so
 (the text table says it). The inner-product methods also score a trained
-capture (each sample's gradient at the step that trained on it). The plan
-counts a trajectory method as `graddot`.
+capture (each sample's gradient at the step that trained on it). `less`
+(`LESSAttributor`, LESS) scores a `capture --train --less`: the cosine of each
+query's gradient with each sample's Adam update direction, weighted by the
+recorded learning rate (times the clip coefficient) of its step. Its rows are
+rescaled after the pass, so `top-k` and `report` rank
+`attribute_from_cache(...).top_k(k)` (the whole score) and `report` leaves its
+tokens unshaded. The plan counts a trajectory method and `less` as `graddot`.
 """
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from dattri_llm.attribution.algorithm.adamw_influence import (
@@ -14,12 +15,14 @@ from dattri_llm.attribution.algorithm.adamw_influence import (
 from dattri_llm.attribution.algorithm.dvemb import DVEmbAttributor
 from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
 from dattri_llm.attribution.algorithm.kronecker.persistence import FISHER_FILE
+from dattri_llm.attribution.algorithm.less import LESSAttributor
 from dattri_llm.attribution.algorithm.lorif import FIT_FILE, LoRIFAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseInnerProductAttributor
-from dattri_llm.cli.arguments import FIT_METHODS, TRAJECTORY_METHODS, MethodArguments
+from dattri_llm.attribution.topk import TopK
+from dattri_llm.cli.arguments import FIT_METHODS, LESS_METHOD, TRAJECTORY_METHODS, MethodArguments
 from dattri_llm.cli.errors import CLIError
 from dattri_llm.cli.output import CONFIG_FILE, STORE_DIRS
 from dattri_llm.cli.stores import capture_config
@@ -31,6 +34,7 @@ __all__ = [
     "check_fit_method",
     "check_store_method",
     "fit_file",
+    "rank_top_k",
     "reused_fit",
 ]
 
@@ -84,11 +88,23 @@ def check_store_method(store: str, method: str) -> None:
     """``CLIError`` unless the capture ``store`` can be scored by ``method``.
 
     The trajectory methods need a trained capture (``capture --train``);
-    ``adamw_influence`` one whose run recorded the AdamW moments.
+    ``adamw_influence`` one whose run recorded the AdamW moments; ``less`` a
+    ``capture --train --less``, which serves no other method.
     """
+    config = capture_config(store)
+    if method == LESS_METHOD and not config.get("less", False):
+        kind = "a trained" if config.get("train", False) else "a frozen"
+        raise CLIError(
+            f"less scores Adam-preconditioned training gradients and --store {store} is {kind} "
+            "capture without them; capture with `dattri-llm capture --train --less`"
+        )
+    if method != LESS_METHOD and config.get("less", False):
+        raise CLIError(
+            f"--store {store} holds LESS's preconditioned gradients (capture --train --less) "
+            f"and serves only --method less; for {method}, capture without --less"
+        )
     if method not in TRAJECTORY_METHODS:
         return
-    config = capture_config(store)
     if not config.get("train", False):
         raise CLIError(
             f"{method} scores a recorded training run and --store {store} is a frozen capture; "
@@ -117,6 +133,10 @@ def build_attributor(
     name = method.method
     if store is not None:
         check_store_method(store, name)
+    if name == LESS_METHOD:
+        if method.fit is not None:
+            check_fit_method(name, "--fit")
+        return LESSAttributor(args, task=task), {}
     if name in TRAJECTORY_METHODS:
         if method.fit is not None:
             check_fit_method(name, "--fit")
@@ -150,3 +170,36 @@ def build_attributor(
         damping=method.damping,
     )
     return attributor, extra
+
+
+def rank_top_k(
+    attributor: BaseInnerProductAttributor,
+    train_dir: str,
+    query_dir: str,
+    k: int,
+    *,
+    proponents: bool,
+    verbose: bool,
+    options: dict[str, Any],
+) -> TopK:
+    """Each query's ``k`` best rows: ``top_k_from_cache`` (one streamed pass) where the method
+    allows it, else ``attribute_from_cache(...).top_k(k)`` (LESS rescales its rows after the
+    pass, so it cannot be ranked while streaming)."""
+    if getattr(attributor, "streaming_top_k", False):
+        return attributor.top_k_from_cache(
+            train_dir, query_dir, k, proponents=proponents, verbose=verbose, **options
+        )
+    score = attributor.attribute_from_cache(train_dir, query_dir, verbose=verbose, **options)
+    ranking = score.top_k(k, proponents=proponents)
+    return TopK(
+        test_ids=list(ranking),
+        train_ids=[[train_id for train_id, _ in ranked] for ranked in ranking.values()],
+        scores=torch.tensor(
+            [[value for _, value in ranked] for ranked in ranking.values()], dtype=torch.float64
+        ),
+        polarity=score.polarity,
+        proponents=proponents,
+        algorithm=score.algorithm,
+        algorithm_meta=dict(score.algorithm_meta),
+        layer_name=score.layer_name,
+    )

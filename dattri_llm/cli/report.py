@@ -7,7 +7,8 @@ tokenizer (re-tokenized as the capture did; their ids are checked), and writes
 each token is shaded by the method's token-granularity score
 (``attribute_from_cache(..., attribution_granularity="token")``); a store that
 cannot give token rows (a materialized or projected capture, or a method
-without them: the trajectory methods) gives an unshaded page that says why. ``--format text|json``
+without them: the trajectory methods and less) gives an unshaded page that says
+why. LESS ranks ``attribute_from_cache``'s score (it cannot stream). ``--format text|json``
 also writes the top-k table (``top_k.txt`` / ``top_k.json``) and prints it.
 """
 
@@ -21,13 +22,14 @@ from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.report import write_token_report
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.cli.arguments import (
+    LESS_METHOD,
     TRAJECTORY_METHODS,
     MethodArguments,
     ReportArguments,
     StoreArguments,
 )
 from dattri_llm.cli.data import TokenizedSet
-from dattri_llm.cli.methods import build_attributor
+from dattri_llm.cli.methods import build_attributor, rank_top_k
 from dattri_llm.cli.model import load_tokenizer
 from dattri_llm.cli.stores import capture_arguments, capture_stores, captured_sets, sample_texts
 from dattri_llm.cli.topk import top_k_table, write_top_k
@@ -55,7 +57,7 @@ def _token_score(
     quiet: bool,
 ) -> tuple[AttributionScore | None, str | None]:
     """The method's token-granularity score, or ``None`` and why the tokens stay unshaded."""
-    if method_args.method in TRAJECTORY_METHODS:
+    if method_args.method in (*TRAJECTORY_METHODS, LESS_METHOD):
         return None, (
             f"Tokens are unshaded: {method_args.method} scores each sample at its training "
             "step and has no token-level scores."
@@ -98,13 +100,14 @@ def run_report(
     tokenizer = load_tokenizer(model_args)
     sets = captured_sets(store_args.store, tokenizer)
     attributor, options = build_attributor(run_args, method_args, store_args.store)
-    top = attributor.top_k_from_cache(
+    top = rank_top_k(
+        attributor,
         train_dir,
         query_dir,
         report_args.k,
         proponents=not report_args.opponents,
         verbose=not quiet,
-        **options,
+        options=options,
     )
     token_score, note = None, None
     if report_args.shade:

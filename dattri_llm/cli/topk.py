@@ -1,6 +1,7 @@
 """``dattri-llm top-k``: each query's k best training samples, as a table or JSON.
 
-Streams the training store once (``top_k_from_cache``, no score matrix), or
+Streams the training store once (``top_k_from_cache``, no score matrix; LESS,
+which rescales its rows after the pass, ranks ``attribute_from_cache``'s score), or
 with ``--index`` searches a FAISS index of it (``AttributionIndex``), and
 writes ``top_k.json`` and ``top_k.txt`` to the output directory; the chosen
 ``--format`` is printed.
@@ -18,7 +19,7 @@ from dattri_llm.attribution.index import AttributionIndex
 from dattri_llm.attribution.topk import TopK
 from dattri_llm.cli.arguments import MethodArguments, StoreArguments, TopKArguments
 from dattri_llm.cli.errors import CLIError
-from dattri_llm.cli.methods import build_attributor
+from dattri_llm.cli.methods import build_attributor, rank_top_k
 from dattri_llm.cli.stores import capture_stores, sample_texts
 
 __all__ = ["INDEX_METHODS", "index_top_k", "render_text", "run_top_k", "top_k_table", "write_top_k"]
@@ -46,13 +47,14 @@ def run_top_k(
             index_top_k(store_args.store, method_args.method, top_args, quiet=quiet),
             top_args.format,
         )
-    top = attributor.top_k_from_cache(
+    top = rank_top_k(
+        attributor,
         train_dir,
         query_dir,
         top_args.k,
         proponents=not top_args.opponents,
         verbose=not quiet,
-        **options,
+        options=options,
     )
     result = top_k_table(top, store_args.store)
     return write_top_k(staging, result, top_args.format)

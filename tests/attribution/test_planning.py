@@ -224,6 +224,7 @@ def test_plan_of_a_model_with_a_pad_token():
     plain = plan_run(_gpt2_config(), num_train=4, num_test=2, seq_len=8)
     padded = plan_run(config, num_train=4, num_test=2, seq_len=8)
     assert padded.layers == plain.layers
+    assert padded.activation_bytes == plain.activation_bytes > 0
     model = meta_model(config)
     plan_run(model, num_train=4, num_test=2, seq_len=8)
     assert model.config.pad_token_id == 0  # restored after the trace

@@ -341,7 +341,10 @@ def activation_bytes(
     for kwargs in ({"input_ids": ids, "labels": ids}, {"input_ids": ids}):
         saved.clear()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with (
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+                _no_pad_token(root),
+            ):
                 torch.func.functional_call(root, state, (), kwargs, strict=False)
         except Exception:  # noqa: BLE001, S112 - a foreign forward; try without labels
             continue

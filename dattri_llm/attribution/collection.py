@@ -12,6 +12,7 @@ imports it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,14 +107,53 @@ def collect_checkpoint(
     layers = list(train.hook_manager.layer_names)
     attributor._hooked_layers = layers
     recorder = attributor.attach_dynamics_recorder(train) if enable_update else None
+    rows = _RowCounter(on_train_block)
     try:
-        attributor.collect_gradients(train, train_store, on_block=on_train_block)
+        attributor.collect_gradients(train, train_store, on_block=rows)
     finally:
         attributor._forget_loaded_checkpoint(enable_update)
+    if attributor.args.world_size == 1:  # a sharded store indexes every rank's rows
+        _warn_if_rows_replaced(train_store, rows.rows)
     if recorder is not None and attributor.args.should_log:
         write_lr_schedule(train_store.save_dir, train.learning_rates)
         recorder.save(train_store.save_dir)
     return layers
+
+
+class _RowCounter:
+    """An ``on_block`` callback counting the rows collected, then handing each block on."""
+
+    def __init__(self, then: Callable[[int, Gradient, list[str]], None] | None) -> None:
+        self.then = then
+        self.rows = 0
+
+    def __call__(self, step: int, block: Gradient, ids: list[str]) -> None:
+        """Count the block's rows, then call ``then``."""
+        self.rows += len(ids)
+        if self.then is not None:
+            self.then(step, block, ids)
+
+
+def _warn_if_rows_replaced(store: GradientStorageManager, collected: int) -> None:
+    """``UserWarning`` when a fresh store indexes fewer rows than were collected into it.
+
+    A store keeps one occurrence per (step, sample) across its groups: a
+    training set holding a sample more than once at one step (a pass without
+    updates is one step) loses the later rows, so scores from the store count
+    such a sample once, while a live ``attribute`` counts every occurrence.
+    """
+    lost = collected - sum(1 for _ in store.index_rows())
+    if lost > 0:
+        warnings.warn(
+            f"{lost} training row(s) repeat a sample already collected at the same step (the "
+            "training set holds it more than once; a pass without updates is one step). The "
+            "store keeps one occurrence per (step, sample), so scores from it count such a "
+            "sample once, while a live attribute() (gradient_cache_residency=None) and "
+            "covariances recorded at capture (covariances_at_capture=True) count every "
+            "occurrence. Deduplicate the training set, or score live, for one consistent count",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def cache_checkpoints(

@@ -251,9 +251,12 @@ class SampleSums:
                 position, self._next = self._next, self._next + 1
                 total = torch.zeros(batch.scores.shape[1], dtype=torch.float32)
             total += batch.scores[row]
-            if left is not None:
+            if left is not None:  # a count reaching 0 is dropped: the dict shrinks as ids end
                 left -= 1
-                self.remaining[sample] = left
+                if left > 0:
+                    self.remaining[sample] = left
+                else:
+                    self.remaining.pop(sample, None)
             if left is not None and left <= 0:
                 done.append((position, sample, total))
             else:

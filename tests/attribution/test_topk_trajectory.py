@@ -184,6 +184,7 @@ def test_sample_sums_ties_signed_zero_and_nan(known):
                 batch = slice(start, start + 7)
                 sums.add(ScoredBatch(rows[batch], ids[batch], [0] * len(ids[batch]), None))
             sums.finish()
+            assert sums.remaining in (None, {})  # every count consumed, none stored for singles
             got = sums.sink.result(1, proponents, None).as_dict()
             expected = full.top_k(k, proponents=proponents)
             assert {q: [h for h, _ in v] for q, v in got.items()} == {

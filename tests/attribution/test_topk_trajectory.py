@@ -156,6 +156,18 @@ def test_live_top_k_records_the_run_and_ranks_it(tmp_path):
     _check_equal(top, full, 4, True)
 
 
+def test_loop_over_test_in_trajectory_tracins_weighted_pass(runs, tmp_path):
+    """One learning rate for every coordinate: a weighted Grad-Dot, which loops over queries."""
+    train_dir, test_dir = runs["tracin", False]
+    full = _attributor("tracin", tmp_path / "f").attribute_from_cache(
+        train_dir, test_dir, loop_over_test=True
+    )
+    top = _attributor("tracin", tmp_path / "t").top_k_from_cache(
+        train_dir, test_dir, 4, loop_over_test=True
+    )
+    _check_equal(top, full, 4, True)
+
+
 def test_loop_over_test_is_refused(runs, tmp_path):
     train_dir, test_dir = runs["dvemb", False]
     with pytest.raises(NotImplementedError, match="drop loop_over_test=True"):

@@ -301,3 +301,26 @@ def test_parameters_outside_the_optimizer_raise():
     with pytest.raises(ValueError, match="not in the optimizer"):
         with HookManager(net, callbacks=[selection]).collect(deregister_on_exit=True):
             h.batch_loss(net, h.batch(3, BATCH), "sum").backward()
+
+
+def test_materialized_target_scores_like_the_factorized_one():
+    """Dense target layers (Embedding, HF Conv1D + bias, LayerNorm, Linear + bias) are split
+    into weight and bias by the materialized layout."""
+    scores = []
+    for dense in (False, True):
+        net, opt = warmed_up("adamw", "sum")
+        target = capture_target(net, h.batch(99, 3))
+        selection = DataSelectionCallback(
+            net,
+            target="fixed",
+            target_gradient=target.materialize() if dense else target,
+            score="lookahead",
+            optimizer=opt,
+            horizon=2,
+            selection_kwargs=KEEP_ALL,
+        )
+        with HookManager(net, callbacks=[selection]).collect(deregister_on_exit=True):
+            h.batch_loss(net, h.batch(10, BATCH), "sum").backward()
+        scores.append(selection.last_scores)
+    assert target.materialize().representation == dict.fromkeys(h.LAYERS, "materialized")
+    torch.testing.assert_close(scores[1], scores[0], rtol=1e-5, atol=1e-6 * scores[0].abs().max())

@@ -229,18 +229,17 @@ def _target(rows: BatchRows, target: Gradient | None) -> Vectors:
         return rows.weighted_sum(torch.ones(rows.batch))
     q = {k: torch.zeros(p.numel(), device=p.device) for k, p in rows.params.items()}
     shared = False
+    layers = set(sel.sample_layers(target))  # param_grad payloads have no rows
     for name, module in rows.modules.items():
-        value = target.data.get(name)
-        if value is None:
+        if name not in layers:
             continue
-        if not isinstance(value, Factorized):
-            raise ValueError(
-                f"DataSelectionCallback(score='lookahead'): target layer {name!r} is dense; the "
-                "look-ahead needs a factorized target (capture it with capture_style="
-                "'factorized' and no projection), or use score='grad_dot'."
-            )
-        weights = torch.ones(value.activation.shape[value.batch_axis])
-        for p, delta in sel.layer_deltas(value, target.layer_types[name], module, weights):
+        value = target.data[name]
+        if isinstance(value, Factorized):
+            weights = torch.ones(value.activation.shape[value.batch_axis])
+            deltas = sel.layer_deltas(value, target.layer_types[name], module, weights)
+        else:
+            deltas = sel.dense_layer_deltas(value, target.layer_types[name], module)
+        for p, delta in deltas:
             q[id(p)] += delta.reshape(-1).to(q[id(p)])
             shared = True
     if not shared:
@@ -303,8 +302,9 @@ def lookahead_scores(
         curvature: add the batch's Gauss–Newton coupling ``∂g/∂θ ≈ C'·B·Σ_b t_b t_bᵀ``.
 
     Raises:
-        ValueError: a captured parameter outside ``optimizer``; a dense target layer;
-            a target sharing no captured layer.
+        ValueError: a captured parameter outside ``optimizer``; a dense target layer
+            that cannot be split into weight and bias; a target sharing no captured
+            layer.
     """
     rows = BatchRows(record, root)
     groups = _optimizer_groups(optimizer)

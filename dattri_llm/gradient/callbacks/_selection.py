@@ -23,6 +23,7 @@ from dattri_llm.gradient.ops.types import (
     is_conv,
     is_conv_transpose,
     is_embedding,
+    is_norm,
 )
 
 TARGETS = ("batch", "fixed", "val_loader")
@@ -339,6 +340,41 @@ def sample_rows(
             rows = _bias_delta(g, layer_type, per_sample=True)
         out.append((param, rows.reshape(rows.shape[0], -1)))
     return out
+
+
+def dense_layer_deltas(
+    value: torch.Tensor, layer_type: str, module: nn.Module
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """``[(param, Σ rows)]`` of a dense (materialized) layer in the module's parameter shapes.
+
+    ``value : (B, d)`` or ``(B, T, d)`` is summed over its rows (and tokens) and
+    split by the layout of ``ops.materialize``: linear, HF ``Conv1D`` and conv
+    ``(D_out, D_in' [+1])`` with the bias the last column of each row; norms
+    ``[dγ | dβ]``; embeddings ``(num_embeddings, E)``. Only parameters holding
+    a gradient are returned.
+
+    Raises:
+        ValueError: a conv-transpose layer, or a width that is not the module's
+            weight (plus bias) size.
+    """
+    total = value.reshape(-1, value.shape[-1]).sum(dim=0).float()
+    weight, bias = module.weight, getattr(module, "bias", None)
+    bias_size = bias.numel() if isinstance(bias, torch.Tensor) else 0
+    if is_conv_transpose(layer_type) or total.numel() != weight.numel() + bias_size:
+        raise ValueError(
+            f"DataSelectionCallback: a dense {layer_type} payload of width {total.numel()} "
+            f"cannot be split into weight {tuple(weight.shape)} and bias ({bias_size},); pass "
+            "the layer factorized (capture_style='factorized', no projection)."
+        )
+    if bias_size and not is_norm(layer_type):
+        table = total.reshape(bias_size, -1)
+        weight_flat, bias_part = table[:, :-1].reshape(-1), table[:, -1]
+    else:
+        weight_flat, bias_part = total[: weight.numel()], total[weight.numel() :]
+    parts = {"weight": _as_weight_shape(weight_flat, weight.shape, layer_type), "bias": bias_part}
+    return [
+        (param, parts[attr].reshape(shape)) for attr, param, shape in _removal_params(module, None)
+    ]
 
 
 def removable_layers(record: GradientRecord, root: nn.Module) -> dict[str, nn.Module]:

@@ -1,9 +1,11 @@
 """Online data selection between ``backward()`` and ``optimizer.step()``.
 
 Each capture step, :class:`DataSelectionCallback` scores every sample of the
-batch against a target gradient (Grad-Dot on the captured factors), chooses the
-samples to drop, and subtracts their exact contribution from ``param.grad`` of
-every factorized layer, so the optimizer sees the gradient of the kept samples.
+batch against a target gradient (Grad-Dot on the captured factors, or the
+horizon-K look-ahead of ``_lookahead`` through the coming Adam / AdamW updates),
+chooses the samples to drop, and subtracts their exact contribution from
+``param.grad`` of every factorized layer, so the optimizer sees the gradient of
+the kept samples.
 """
 
 from __future__ import annotations

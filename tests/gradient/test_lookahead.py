@@ -324,3 +324,63 @@ def test_materialized_target_scores_like_the_factorized_one():
         scores.append(selection.last_scores)
     assert target.materialize().representation == dict.fromkeys(h.LAYERS, "materialized")
     torch.testing.assert_close(scores[1], scores[0], rtol=1e-5, atol=1e-6 * scores[0].abs().max())
+
+
+class TiedNet(torch.nn.Module):
+    """Embedding and output layer sharing one weight (captured by both layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(h.VOCAB, h.WIDTH)
+        self.head = torch.nn.Linear(h.WIDTH, h.VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def test_parameter_shared_by_two_layers_is_one_block():
+    from reference import call, per_sample_param_grads
+
+    def losses(out, labels):
+        return (out - labels).square().sum(dim=(1, 2))
+
+    def loss_of_sample(module, params, sample):
+        return losses(call(module, params, sample[0]), sample[1]).sum()
+
+    def data(seed, rows):
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, h.VOCAB, (rows, h.SEQ), generator=gen)
+        return ids, torch.randn(rows, h.SEQ, h.VOCAB, generator=gen)
+
+    net = TiedNet()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=BETAS, eps=EPS, weight_decay=0.1)
+    for seed in (1, 2):
+        opt.zero_grad(set_to_none=True)
+        losses(net(data(seed, BATCH)[0]), data(seed, BATCH)[1]).sum().backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    batch, query_batch = data(10, BATCH), data(99, 3)
+    rows = flat_rows(per_sample_param_grads(net, loss_of_sample, batch))
+    query = flat_rows(per_sample_param_grads(net, loss_of_sample, query_batch)).sum(0)
+    expected = jacobian_scores(net, opt, "adamw", rows, query, 3, None, True)
+
+    cap = CaptureCallback()
+    with HookManager(net, callbacks=[cap]).collect(deregister_on_exit=True):
+        losses(net(query_batch[0]), query_batch[1]).sum().backward()
+    net.zero_grad(set_to_none=True)
+    selection = DataSelectionCallback(
+        net,
+        target="fixed",
+        target_gradient=cap.record.gradient,
+        score="lookahead",
+        optimizer=opt,
+        horizon=3,
+        selection_kwargs={**KEEP_ALL, "layer_wise": True},
+    )
+    with HookManager(net, callbacks=[selection]).collect(deregister_on_exit=True):
+        losses(net(batch[0]), batch[1]).sum().backward()
+    assert sorted(cap.record.gradient.data) == ["emb", "head"]
+    got = selection.last_scores.double()
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-4 * expected.abs().max())

@@ -16,13 +16,17 @@ active clip). The query-side row ``U = [U_θ | U_m | U_v]`` is carried through
 Gauss–Newton coupling ``∂g/∂θ ≈ C'·B·Σ_b t_b t_bᵀ`` adds one Grad-Dot of the
 batch rows against a dense vector and one weighted sum of the rows per step.
 
-All vectors are dense, float32, flattened in each parameter's own layout and
-keyed by ``id(param)`` (a parameter shared by two captured layers is one block).
+All vectors are dense float32 ``(N,)`` over the captured parameters laid end
+to end (each flattened in its own layout; a parameter shared by two captured
+layers is one block), ordered so that the parameters of one optimizer update
+setting form one contiguous span.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -38,8 +42,6 @@ from dattri_llm.gradient.ops.adamw_influence import (
 
 SCORES = ("grad_dot", "lookahead")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
-
-Vectors = dict[int, torch.Tensor]  # id(param) -> (k,) float32
 
 
 # ----------------------------------------------------------------------------- options
@@ -98,97 +100,162 @@ def check_options(
                 )
 
 
-# ----------------------------------------------------------------------------- batch rows
-
-
-class BatchRows:
-    """The batch's per-sample gradients ``t_b`` of every captured parameter.
-
-    Args:
-        record: the step's record; its factorized per-sample layers under ``root``
-            (``_selection.removable_layers``) are materialized once.
-        root: the unwrapped model.
-    """
-
-    def __init__(self, record: GradientRecord, root: nn.Module) -> None:
-        """Materialize the rows: ``B·numel`` float32 numbers per captured parameter."""
-        gradient = record.gradient
-        self.modules = sel.removable_layers(record, root)
-        self.batch = gradient.batch_size
-        self.layers = {
-            name: sel.sample_rows(gradient.data[name], gradient.layer_types[name], module)
-            for name, module in self.modules.items()
-        }
-        self.params = {id(p): p for pairs in self.layers.values() for p, _ in pairs}
-
-    def dots(self, x: Vectors) -> dict[str, torch.Tensor]:
-        """``{layer: (B,)}`` with ``Σ_{param of layer} <t_b, x>`` (Grad-Dot against ``x``)."""
-        return {
-            name: sum(rows @ x[id(p)].to(rows.device) for p, rows in pairs)
-            for name, pairs in self.layers.items()
-            if pairs
-        }
-
-    def weighted_sum(self, weights: torch.Tensor) -> Vectors:
-        """``{id(param): (k,)}`` with ``Σ_b w_b t_b`` for ``weights : (B,)``."""
-        out: Vectors = {}
-        for pairs in self.layers.values():
-            for p, rows in pairs:
-                part = weights.to(rows) @ rows
-                out[id(p)] = out[id(p)] + part if id(p) in out else part
-        return out
-
-
 # ----------------------------------------------------------------------------- the update
 
 
-@dataclass(frozen=True)
-class _Update:
-    """The coming Adam / AdamW update of one parameter, linearized at the current state.
+class _Settings(NamedTuple):
+    """One Adam / AdamW update setting: ``decay`` decoupled (AdamW), ``l2`` coupled (Adam)."""
 
-    ``push`` holds ``−∂s'/∂g`` per coordinate ``(3, k)`` (rows ``θ, m, v``);
-    ``d``, ``s`` the preconditioner pieces; ``decay`` the decoupled weight decay,
-    ``l2`` the coupled one (``torch.optim.Adam``).
+    lr: float
+    step: int
+    beta1: float
+    beta2: float
+    eps: float
+    decay: float
+    l2: float
+
+
+def _settings(group: dict, state: dict) -> _Settings:
+    """The coming update's setting of a parameter (``step`` counts this update)."""
+    wd = float(group["weight_decay"])
+    decoupled = bool(group.get("decoupled_weight_decay", False))
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return _Settings(
+        lr=float(group["lr"]),
+        step=int(float(state.get("step", 0))) + 1,
+        beta1=beta1,
+        beta2=beta2,
+        eps=float(group["eps"]),
+        decay=wd if decoupled else 0.0,
+        l2=0.0 if decoupled else wd,
+    )
+
+
+class _Layout:
+    """The captured parameters end to end, with the batch's per-sample gradients.
+
+    ``rows : (B, N)`` holds ``t_b`` (a shared parameter's rows summed over its
+    layers); ``spans`` the ``(start, stop)`` of each parameter; ``runs`` the
+    contiguous spans of parameters stepped with one ``_Settings``.
+    """
+
+    def __init__(
+        self, record: GradientRecord, root: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Order the parameters by optimizer setting and materialize the rows once.
+
+        Raises:
+            ValueError: a captured parameter outside ``optimizer``.
+        """
+        gradient = record.gradient
+        self.modules = sel.removable_layers(record, root)
+        self.batch = gradient.batch_size
+        members = {n: sel.layer_params(m) for n, m in self.modules.items()}
+        unique = {id(p): p for params in members.values() for p in params}
+        groups = {id(p): (i, g) for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        missing = sorted(tuple(p.shape) for k, p in unique.items() if k not in groups)
+        if missing:
+            raise ValueError(
+                f"DataSelectionCallback(score='lookahead'): captured parameters of shapes "
+                f"{missing} are not in the optimizer; pass the optimizer that steps every "
+                "captured parameter."
+            )
+        settings = {
+            k: _settings(groups[k][1], optimizer.state.get(p, {})) for k, p in unique.items()
+        }
+        self.params = sorted(unique.values(), key=lambda p: (groups[id(p)][0], settings[id(p)]))
+        self.spans, self.runs, start = {}, [], 0
+        for p in self.params:
+            self.spans[id(p)] = slice(start, start + p.numel())
+            if self.runs and self.runs[-1][1] == settings[id(p)]:
+                self.runs[-1] = (slice(self.runs[-1][0].start, start + p.numel()), settings[id(p)])
+            else:
+                self.runs.append((self.spans[id(p)], settings[id(p)]))
+            start += p.numel()
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.rows = torch.zeros(self.batch, start, device=self.device)
+        uses = Counter(id(p) for params in members.values() for p in params)
+        shared = {k for k, n in uses.items() if n > 1}
+        self.pieces: dict[str, list[tuple[slice, torch.Tensor | None]]] = {}
+        for name, module in self.modules.items():
+            value, kind = gradient.data[name], gradient.layer_types[name]
+            self.pieces[name] = []
+            for p, rows in sel.sample_rows(value, kind, module):
+                span = self.spans[id(p)]
+                self.rows[:, span] += rows.to(self.rows)
+                self.pieces[name].append((span, rows.to(self.rows) if id(p) in shared else None))
+
+    def flat(self, tensor_of: Callable[[nn.Parameter], torch.Tensor]) -> torch.Tensor:
+        """``(N,)`` float32 of ``tensor_of(param)`` for every parameter, end to end."""
+        return torch.cat([tensor_of(p).detach().reshape(-1).to(self.rows) for p in self.params])
+
+    def dot(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` with ``<t_b, x>`` (Grad-Dot of the rows against ``x : (N,)``)."""
+        return self.rows @ x
+
+    def layer_dots(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{layer: (B,)}``: each layer's part of :meth:`dot`."""
+        return {
+            name: sum(
+                (self.rows[:, span] if own is None else own) @ x[span] for span, own in pieces
+            )
+            for name, pieces in self.pieces.items()
+            if pieces
+        }
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        """``(N,)`` with ``Σ_b w_b t_b`` for ``weights : (B,)``."""
+        return weights.to(self.rows) @ self.rows
+
+
+class _Update(NamedTuple):
+    """The coming update linearized at the current state, per coordinate ``(N,)``.
+
+    ``push : (3, N)`` is ``−∂s'/∂g`` (rows ``θ, m, v``); ``d``, ``s`` the
+    preconditioner pieces; ``l2`` the coupled weight decay.
     """
 
     push: torch.Tensor
     d: torch.Tensor
     s: torch.Tensor
-    lr: float
-    step: int
-    beta1: float
-    beta2: float
-    decay: float
-    l2: float
+    l2: torch.Tensor
 
 
-def _optimizer_groups(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
-    return {id(p): group for group in optimizer.param_groups for p in group["params"]}
-
-
-def _update(
-    param: nn.Parameter, grad: torch.Tensor, group: dict, state: dict, clip: float
+def _linearize(
+    layout: _Layout, optimizer: torch.optim.Optimizer, grad: torch.Tensor, clip: float
 ) -> _Update:
-    """The linearized update of ``param`` whose flat raw gradient is ``grad : (k,)``."""
-    theta = param.detach().reshape(-1).float()
-    beta1, beta2 = (float(b) for b in group["betas"])
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
-    decoupled = bool(group.get("decoupled_weight_decay", False))
-    step = int(float(state.get("step", 0))) + 1
-    m = state.get("exp_avg", torch.zeros_like(param)).detach().reshape(-1).float()
-    v = state.get("exp_avg_sq", torch.zeros_like(param)).detach().reshape(-1).float()
-    l2 = 0.0 if decoupled else wd
-    g = clip * grad + l2 * theta  # what the moments consume
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g.square()
-    d, s = adam_preconditioner(
-        m / (1.0 - beta1**step), v / (1.0 - beta2**step), eps=float(group["eps"])
+    """Moments of the coming step from ``g = clip·grad (+ l2·θ)``, then ``D``, ``S``, ``push``."""
+
+    def moment(key: str) -> Callable[[nn.Parameter], torch.Tensor]:
+        return lambda p: optimizer.state.get(p, {}).get(key, torch.zeros_like(p))
+
+    theta = layout.flat(lambda p: p)
+    m_old, v_old = layout.flat(moment("exp_avg")), layout.flat(moment("exp_avg_sq"))
+    push, d, s = (
+        torch.empty(3, theta.numel()).to(theta),
+        torch.empty_like(theta),
+        torch.empty_like(theta),
     )
-    push = adamw_influence_push(
-        torch.ones_like(g)[None], g, d, s, lr=lr, step=step, beta1=beta1, beta2=beta2
-    ).reshape(3, -1)
-    decay = wd if decoupled else 0.0
-    return _Update(push, d, s, lr, step, beta1, beta2, decay, l2)
+    l2 = torch.zeros_like(theta)
+    for span, st in layout.runs:
+        l2[span] = st.l2
+        g = clip * grad[span] + st.l2 * theta[span]  # what the moments consume
+        m = st.beta1 * m_old[span] + (1.0 - st.beta1) * g
+        v = st.beta2 * v_old[span] + (1.0 - st.beta2) * g.square()
+        d[span], s[span] = adam_preconditioner(
+            m / (1.0 - st.beta1**st.step), v / (1.0 - st.beta2**st.step), eps=st.eps
+        )
+        push[:, span] = adamw_influence_push(
+            torch.ones_like(g)[None],
+            g,
+            d[span],
+            s[span],
+            lr=st.lr,
+            step=st.step,
+            beta1=st.beta1,
+            beta2=st.beta2,
+        ).reshape(3, -1)
+    return _Update(push, d, s, l2)
 
 
 class _Clip:
@@ -196,13 +263,12 @@ class _Clip:
 
     ``c = min(1, max_norm/(‖G‖+1e-6))`` with ``‖G‖`` over every parameter of the
     model holding a gradient; when the clip is active ``C'x = c·(x − G·(G·x)/
-    (‖G‖(‖G‖+1e-6)))`` (``G·x`` over the captured coordinates, where ``x`` lives),
-    otherwise ``C' = I``.
+    (‖G‖(‖G‖+1e-6)))`` (``G : (N,)`` the captured raw gradient), otherwise ``C' = I``.
     """
 
-    def __init__(self, root: nn.Module, grads: Vectors, max_norm: float | None) -> None:
+    def __init__(self, root: nn.Module, grad: torch.Tensor, max_norm: float | None) -> None:
         """Read the clip coefficient from the gradients of ``root``'s parameters."""
-        self.coef, self.active, self.grads, self.norm = 1.0, False, grads, 0.0
+        self.coef, self.active, self.grad, self.norm = 1.0, False, grad, 0.0
         if max_norm is None:
             return
         norms = [p.grad.detach().float().norm() for p in root.parameters() if p.grad is not None]
@@ -211,26 +277,25 @@ class _Clip:
         self.active = ratio < 1.0
         self.coef = min(1.0, ratio)
 
-    def apply(self, x: Vectors) -> Vectors:
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
         """``C'x``."""
         if not self.active:
             return x
-        along = sum(float(self.grads[k] @ x[k]) for k in x)
-        along /= self.norm * (self.norm + CLIP_EPS)
-        return {k: self.coef * (x[k] - along * self.grads[k]) for k in x}
+        along = (self.grad @ x) / (self.norm * (self.norm + CLIP_EPS))
+        return self.coef * (x - along * self.grad)
 
 
 # ----------------------------------------------------------------------------- scores
 
 
-def _target(rows: BatchRows, target: Gradient | None) -> Vectors:
-    """``q``: the target's summed rows over the captured parameters (zeros elsewhere)."""
+def _target(layout: _Layout, target: Gradient | None) -> torch.Tensor:
+    """``q : (N,)``: the target's summed rows over the captured parameters (0 elsewhere)."""
     if target is None:
-        return rows.weighted_sum(torch.ones(rows.batch))
-    q = {k: torch.zeros(p.numel(), device=p.device) for k, p in rows.params.items()}
+        return layout.weighted_sum(torch.ones(layout.batch))
+    q = torch.zeros_like(layout.rows[0])
     shared = False
     layers = set(sel.sample_layers(target))  # param_grad payloads have no rows
-    for name, module in rows.modules.items():
+    for name, module in layout.modules.items():
         if name not in layers:
             continue
         value = target.data[name]
@@ -240,42 +305,39 @@ def _target(rows: BatchRows, target: Gradient | None) -> Vectors:
         else:
             deltas = sel.dense_layer_deltas(value, target.layer_types[name], module)
         for p, delta in deltas:
-            q[id(p)] += delta.reshape(-1).to(q[id(p)])
+            q[layout.spans[id(p)]] += delta.reshape(-1).to(q)
             shared = True
     if not shared:
         raise ValueError(
             f"DataSelectionCallback: the target shares no captured per-sample layer with the "
-            f"record (captured layers {sorted(rows.modules)}, target layers {sorted(target.data)})."
+            f"record (captured layers {sorted(layout.modules)}, target layers "
+            f"{sorted(target.data)})."
         )
     return q
 
 
-def _grad_adjoint(u: dict[str, Vectors], updates: dict[int, _Update]) -> Vectors:
-    """``U·∂s'/∂g`` per parameter (``push`` is ``−∂s'/∂g``)."""
-    return {
-        k: -(u["theta"][k] * up.push[0] + u["m"][k] * up.push[1] + u["v"][k] * up.push[2])
-        for k, up in updates.items()
-    }
+def _grad_adjoint(u: torch.Tensor, update: _Update) -> torch.Tensor:
+    """``U·∂s'/∂g : (N,)`` for ``u : (3, N)`` (``push`` is ``−∂s'/∂g``)."""
+    return -(u * update.push).sum(dim=0)
 
 
-def _transition(u: dict[str, Vectors], updates: dict[int, _Update]) -> dict[str, Vectors]:
+def _transition(u: torch.Tensor, update: _Update, layout: _Layout) -> torch.Tensor:
     """``U·J`` without the gradient's response to ``θ`` (momentum, second moment, decay)."""
-    out: dict[str, Vectors] = {"theta": {}, "m": {}, "v": {}}
-    for k, up in updates.items():
+    out = torch.empty_like(u)
+    for span, st in layout.runs:
         blocks = adamw_influence_transition(
-            u["theta"][k][None],
-            u["m"][k][None],
-            u["v"][k][None],
-            up.d,
-            up.s,
-            lr=up.lr,
-            step=up.step,
-            beta1=up.beta1,
-            beta2=up.beta2,
-            weight_decay=up.decay,
+            u[0:1, span],
+            u[1:2, span],
+            u[2:3, span],
+            update.d[span],
+            update.s[span],
+            lr=st.lr,
+            step=st.step,
+            beta1=st.beta1,
+            beta2=st.beta2,
+            weight_decay=st.decay,
         )
-        for key, block in zip(("theta", "m", "v"), blocks):
-            out[key][k] = block[0]
+        out[:, span] = torch.cat(blocks)
     return out
 
 
@@ -306,36 +368,19 @@ def lookahead_scores(
             that cannot be split into weight and bias; a target sharing no captured
             layer.
     """
-    rows = BatchRows(record, root)
-    groups = _optimizer_groups(optimizer)
-    missing = [tuple(p.shape) for k, p in rows.params.items() if k not in groups]
-    if missing:
-        raise ValueError(
-            f"DataSelectionCallback(score='lookahead'): captured parameters of shapes {missing} "
-            "are not in the optimizer; pass the optimizer that steps every captured parameter."
-        )
-    grads = {k: p.grad.detach().reshape(-1).float() for k, p in rows.params.items()}
-    clip = _Clip(root, grads, max_grad_norm)
-    updates = {
-        k: _update(p, grads[k], groups[k], optimizer.state.get(p, {}), clip.coef)
-        for k, p in rows.params.items()
-    }
-    q = _target(rows, target)
-    u = {
-        "theta": q,
-        "m": {k: torch.zeros_like(x) for k, x in q.items()},
-        "v": {k: torch.zeros_like(x) for k, x in q.items()},
-    }
+    layout = _Layout(record, root, optimizer)
+    if not layout.params:
+        return {}
+    grad = layout.flat(lambda p: p.grad)
+    clip = _Clip(root, grad, max_grad_norm)
+    update = _linearize(layout, optimizer, grad, clip.coef)
+    u = torch.zeros(3, grad.numel()).to(grad)
+    u[0] = _target(layout, target)
     for _ in range(horizon - 1):
-        u_g = _grad_adjoint(u, updates)
-        u = _transition(u, updates)
-        for k, up in updates.items():
-            if up.l2:
-                u["theta"][k] = u["theta"][k] + up.l2 * u_g[k]
+        u_g = _grad_adjoint(u, update)
+        u = _transition(u, update, layout)
+        u[0] += update.l2 * u_g
         if curvature:
-            x = clip.apply(u_g)
-            coupled = rows.batch * sum(rows.dots(x).values())
-            for k, h in rows.weighted_sum(coupled).items():
-                u["theta"][k] = u["theta"][k] + h.to(u["theta"][k])
-    r = clip.apply(_grad_adjoint(u, updates))
-    return {name: -s for name, s in rows.dots(r).items()}
+            u[0] += layout.weighted_sum(layout.batch * layout.dot(clip.apply(u_g)))
+    r = clip.apply(_grad_adjoint(u, update))
+    return {name: -score for name, score in layout.layer_dots(r).items()}

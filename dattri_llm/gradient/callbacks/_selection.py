@@ -321,6 +321,11 @@ def layer_deltas(
     return out
 
 
+def layer_params(module: nn.Module) -> list[nn.Parameter]:
+    """The module's ``weight`` / ``bias`` holding a gradient (those removal edits)."""
+    return [param for _, param, _ in _removal_params(module, None)]
+
+
 def sample_rows(
     f: Factorized, layer_type: str, module: nn.Module
 ) -> list[tuple[nn.Parameter, torch.Tensor]]:

@@ -101,6 +101,15 @@ def time_row(ex, name: str, steps: int, warmup: int) -> list[float]:
     return times
 
 
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (``platform.processor()`` elsewhere)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
 def report(times: dict[str, list[float]], args: argparse.Namespace) -> str:
     base = statistics.mean(times["no callback"])
     lines = [
@@ -110,8 +119,8 @@ def report(times: dict[str, list[float]], args: argparse.Namespace) -> str:
         f"(`--steps {args.steps} --rounds {args.rounds} --warmup {args.warmup} "
         f"--threads {args.threads}`).",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, "
-        f"{platform.processor() or 'processor unknown'}; torch {torch.__version__}, "
+        f"Machine: {cpu_model()}, {platform.machine()}, {os.cpu_count()} CPUs visible; "
+        f"torch {torch.__version__}, "
         f"torch threads {args.threads}; load average at the end {os.getloadavg()} "
         "(a shared machine: rows interleaved in rotated order).",
         "",

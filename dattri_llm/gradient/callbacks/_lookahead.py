@@ -231,12 +231,8 @@ def _linearize(
 
     theta = layout.flat(lambda p: p)
     m_old, v_old = layout.flat(moment("exp_avg")), layout.flat(moment("exp_avg_sq"))
-    push, d, s = (
-        torch.empty(3, theta.numel()).to(theta),
-        torch.empty_like(theta),
-        torch.empty_like(theta),
-    )
-    l2 = torch.zeros_like(theta)
+    push = theta.new_empty(3, theta.numel())
+    d, s, l2 = torch.empty_like(theta), torch.empty_like(theta), torch.zeros_like(theta)
     for span, st in layout.runs:
         l2[span] = st.l2
         g = clip * grad[span] + st.l2 * theta[span]  # what the moments consume
@@ -374,7 +370,7 @@ def lookahead_scores(
     grad = layout.flat(lambda p: p.grad)
     clip = _Clip(root, grad, max_grad_norm)
     update = _linearize(layout, optimizer, grad, clip.coef)
-    u = torch.zeros(3, grad.numel()).to(grad)
+    u = grad.new_zeros(3, grad.numel())
     u[0] = _target(layout, target)
     for _ in range(horizon - 1):
         u_g = _grad_adjoint(u, update)

@@ -290,6 +290,7 @@ def fit_operators(
             history.append(record)
             if verbose:
                 steps.set_postfix(loss=f"{record['total']:.4g}")
+        optimizer.zero_grad(set_to_none=True)
     finally:
         for parameter, flag in zip(model.parameters(), flags):
             parameter.requires_grad_(flag)

@@ -287,6 +287,37 @@ def test_linearity_gradient_matches_autograd(tmp_path):
         assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
 
 
+def test_end_to_end_recovers_the_training_sample_a_query_repeats(tmp_path):
+    """Each query copies one training sequence: its operators' responses point at that sample."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=LENGTH,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(0)
+    train = [{"input_ids": torch.randint(0, 64, (LENGTH,), generator=g)} for _ in range(60)]
+    planted = [3, 17, 41, 55]
+    settings = StrideConfig(
+        steps=60, learning_rate=0.05, subsets_per_step=8, probe_size=4, lasso_lambda=0.05
+    )
+    attributor = _attributor(
+        tmp_path, model, num_subsets=24, subsets_per_example=3, rank=8, config=settings
+    )
+    score = attributor.attribute(train, [train[i] for i in planted])
+    assert (
+        attributor.stride_fit.history[-1]["fidelity"] < attributor.stride_fit.history[0]["fidelity"]
+    )
+    assert score.scores.argmax(dim=0).tolist() == planted
+    best = score.top_k(1)
+    assert [best[t][0][0] for t in score.test_ids] == [score.row_train_ids[i] for i in planted]
+
+
 # --------------------------------------------------------------------------- attributor and files
 
 

@@ -359,6 +359,9 @@ def test_crafted_pickle_is_refused_without_running_it(tmp_path):
     with pytest.raises(ValueError, match="plain-tensor STRIDE fit"):
         _attributor(tmp_path, model).load_fit(path)
     assert not marker.exists()
+    (path / "stride_fit.json").write_text('{"format": 1}')
+    with pytest.raises(ValueError, match="missing"):
+        _attributor(tmp_path, model).load_fit(path)
 
 
 class _Payload:
@@ -381,6 +384,8 @@ def test_mismatched_training_set_or_design_is_refused(tmp_path):
         _attributor(tmp_path, model).load_fit(path, train_dataset=other)
     with pytest.raises(ValueError, match="another training set"):
         attributor.attribute(other, test)
+    with pytest.raises(ValueError, match="test_dataset is empty"):
+        attributor.attribute(train, [])
     with pytest.raises(ValueError, match=r"design differs.*num_subsets: fit 8, expected 9"):
         _attributor(tmp_path, model, num_subsets=9).load_fit(path)
     with pytest.raises(ValueError, match="subsets_per_example: fit 2, expected 3"):

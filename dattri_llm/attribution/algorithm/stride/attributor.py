@@ -248,6 +248,8 @@ class StrideAttributor:
         """
         fit = fit or self._require_fit("measure")
         check_dataset(test_dataset, "test_dataset")
+        if len(test_dataset) == 0:
+            raise ValueError("test_dataset is empty; pass at least one query")
         model = self._model()
         _, module = resolve_layer(model, fit.layer)
         device = self._device(model)

@@ -20,6 +20,7 @@ training mode are restored afterwards.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,13 +166,13 @@ def _draw_rows(
 ) -> tuple[list[int], list[int], int]:
     """One step's rows: ``(examples, subsets, number of fidelity rows first)``."""
     n = design.num_examples
-    picked = torch.randperm(design.num_subsets, generator=generator)[: config.subsets_per_step]
+    nonempty = torch.nonzero(design.subset_sizes() > 0).flatten()
+    picked = nonempty[torch.randperm(nonempty.numel(), generator=generator)]
+    picked = picked[: config.subsets_per_step]
     fid_rows: list[tuple[int, int]] = []
     ref_rows: list[tuple[int, int]] = []
     for k in picked.tolist():
         members = design.subset(k)
-        if members.numel() == 0:
-            continue
         take = min(config.fidelity_batch_size, members.numel())
         order = torch.randperm(members.numel(), generator=generator)[:take]
         fid_rows += [(int(i), k) for i in members[order]]
@@ -251,6 +252,14 @@ def fit_operators(
     frozen = _Frozen(model, layer[1], logits_fn, collate_fn, device, config.injection)
     generator = torch.Generator().manual_seed(config.seed + SAMPLING_SEED_OFFSET)
     sketch_dim = config.sketch_dim or max(1, design.num_subsets // 4)
+    if sketch_dim >= design.num_subsets and config.linearity_weight > 0:
+        warnings.warn(
+            f"sketch_dim q={sketch_dim} is not below num_subsets K={design.num_subsets}: the hat "
+            "matrix is then nearly the identity and the linearity term nearly vanishes; use "
+            "q < K (default K // 4)",
+            UserWarning,
+            stacklevel=3,
+        )
     flags = [p.requires_grad for p in model.parameters()]
     was_training = model.training
     try:

@@ -37,6 +37,16 @@ FIT_META_FILE = "stride_fit.json"
 FIT_FORMAT = 1
 _TENSOR_KEYS = ("basis", "coefficients", "members")
 _DESIGN_KEYS = ("num_examples", "num_subsets", "subsets_per_example", "seed")
+_META_KEYS = (
+    "format",
+    "config",
+    "layer",
+    "design",
+    "design_fingerprint",
+    "train_hash",
+    "train_ids",
+    "history",
+)
 
 
 def save_fit(fit: StrideFit, path: str | Path) -> Path:
@@ -107,9 +117,11 @@ def load_fit(path: str | Path) -> StrideFit:
             raise FileNotFoundError(f"{root / name} not found; is {root} a STRIDE fit directory?")
     with (root / FIT_META_FILE).open(encoding="utf-8") as handle:
         meta = json.load(handle)
-    if not isinstance(meta, dict) or meta.get("format") != FIT_FORMAT:
+    missing = [key for key in _META_KEYS if not isinstance(meta, dict) or key not in meta]
+    if missing or meta.get("format") != FIT_FORMAT:
         raise ValueError(
-            f"{root / FIT_META_FILE} is not a STRIDE fit of format {FIT_FORMAT}; refit and save"
+            f"{root / FIT_META_FILE} is not a STRIDE fit of format {FIT_FORMAT} (missing "
+            f"{missing}); refit and save with save_fit"
         )
     tensors = _read_tensors(root / FIT_TENSOR_FILE)
     design_params = meta["design"]
@@ -138,7 +150,7 @@ def load_fit(path: str | Path) -> StrideFit:
     operators.requires_grad_(False)
     history = [
         {key: (float("nan") if value is None else float(value)) for key, value in record.items()}
-        for record in meta.get("history", [])
+        for record in meta["history"]
     ]
     fit = StrideFit(
         operators=operators,

@@ -51,7 +51,8 @@ class StrideConfig:
         linearity_every: the linearity term runs every this many steps.
         sketch_dim: ``q`` of the sketch ``Π = M Ω``; ``None`` = ``max(1, K // 4)``.
         ridge: ``γ`` relative to ``trace(ΠᵀΠ) / q``.
-        subset_chunk: subsets per batched product (measurement, linearity).
+        subset_chunk: subsets per batched product (measurement, linearity); the
+            steered logits of one chunk take ``subset_chunk · B · T · C`` floats.
         lasso_lambda: ``λ`` relative to each query's ``λ_max = ‖Aᵀu‖_∞``, in ``[0, 1)``.
         lasso_max_iter, lasso_tol: FISTA's iteration cap and relative tolerance.
         fit_intercept: give the Lasso a free intercept (centres ``u`` and ``M``).
@@ -76,7 +77,7 @@ class StrideConfig:
     linearity_every: int = 1
     sketch_dim: int | None = None
     ridge: float = 1e-3
-    subset_chunk: int = 64
+    subset_chunk: int = 16
     lasso_lambda: float = 0.01
     lasso_max_iter: int = 2000
     lasso_tol: float = 1e-6

@@ -55,6 +55,8 @@ _LAZY: dict[str, str] = {
     "DVEmbAttributor": "dattri_llm.attribution",
     "AdamWInfluenceAttributor": "dattri_llm.attribution",
     "TrajectoryTracInAttributor": "dattri_llm.attribution",
+    "StrideAttributor": "dattri_llm.attribution",
+    "StrideConfig": "dattri_llm.attribution",
 }
 
 __all__ = [

@@ -9,6 +9,7 @@ from dattri_llm.attribution.algorithm.kronecker import (
 )
 from dattri_llm.attribution.algorithm.less import LESSAttributor
 from dattri_llm.attribution.algorithm.lorif import LoRIFAttributor
+from dattri_llm.attribution.algorithm.stride import StrideAttributor, StrideConfig
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.algorithm.trajectory import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
@@ -21,6 +22,8 @@ __all__ = [
     "KroneckerAttributor",
     "LESSAttributor",
     "LoRIFAttributor",
+    "StrideAttributor",
+    "StrideConfig",
     "TracInAttributor",
     "TrajectoryAttributor",
     "TrajectoryTracInAttributor",

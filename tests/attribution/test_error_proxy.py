@@ -210,14 +210,14 @@ def mlp_data(n: int, seed: int) -> list[dict]:
 N_TRAIN, N_TEST = 8, 4
 
 
-def mlp_run(tmp_path, *, lr: float, epochs: int = 1, eps: float = 1e-8):
+def mlp_run(tmp_path, *, lr: float, epochs: int = 1, max_grad_norm: float | None = None):
     """Train the MLP through the library (captured run + AdamW moments), ``epochs`` passes."""
     torch.manual_seed(0)
     model = MLP()
     args = AttributionArguments(
         output_dir=str(tmp_path / "out"), use_cpu=True, per_device_train_batch_size=2,
         per_device_eval_batch_size=2, learning_rate=lr, weight_decay=0.05, adam_beta1=0.9,
-        adam_beta2=0.99, adam_epsilon=eps, max_grad_norm=None, lr_scheduler_type="constant",
+        adam_beta2=0.99, max_grad_norm=max_grad_norm, lr_scheduler_type="constant",
     )  # fmt: skip
     attributor = AdamWInfluenceAttributor(args, task=AttributionTask(mlp_loss, model))
     ((train_dir, test_dir),) = attributor.cache(
@@ -283,6 +283,20 @@ def test_first_order_is_adamw_influence(mlp_runs):
     torch.testing.assert_close(
         -picked.linear.double(), want, rtol=1e-4, atol=1e-5 * float(want.abs().max())
     )
+
+
+def test_first_order_with_an_active_clip(tmp_path):
+    """The forward tangents carry the clip's Jacobian as the backward sweep does."""
+    attributor, train_dir, test_dir = mlp_run(tmp_path, lr=0.1, epochs=2, max_grad_norm=0.5)
+    with pytest.warns(UserWarning, match="clip was active at 8 of the 8 swept updates"):
+        proxy = attributor.error_proxy(train_dir, test_dir, loss_reduction="sum")
+    score = attributor.attribute_from_cache(
+        train_dir, test_dir, loss_reduction="sum", propagation="test"
+    )
+    assert score.algorithm_meta["clip_coefficients"]  # the clip was active
+    want = summed_rows(score, proxy.train_ids)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(-proxy.linear.double(), want, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_probes_estimate_the_per_sample_statistics(mlp_runs):

@@ -35,6 +35,7 @@ quadratic loss; stored gradients do not hold them), the clip's own curvature
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -325,11 +326,23 @@ def error_proxy(
         layers: restrict the rows to these layers.
         entries: the AdamW dynamics ``{step: entry}``.
 
+    Warns:
+        UserWarning: the clip was active at a swept update (its curvature is left out).
+
     Raises:
         ValueError: a bad ``query_hessian`` shape; see :class:`TrajectorySweep`.
     """
     check_counts(sample_block=sample_block, num_probes=num_probes)
     check_query_hessian(query_hessian)
+    clipped = [window.key for window in windows if window.clipped]
+    if clipped:
+        warnings.warn(
+            f"the gradient clip was active at {len(clipped)} of the {len(windows)} swept updates: "
+            "the error proxy carries the clip's Jacobian but leaves out its curvature (the "
+            "second derivative of G·M/‖G‖), so E misses that part of the second-order term",
+            UserWarning,
+            stacklevel=3,
+        )
     index: dict[str, int] = {}
     first_window: list[int] = []
     if not per_sample:

@@ -186,6 +186,18 @@ def test_quadratic_removal_is_the_taylor_series(tmp_path):
     assert remainders[-1] < 0.2 * quadratic[-1]
 
 
+def test_adamw_curvature_scales_like_the_linear_term():
+    """At small η both ``a'`` and ``E`` scale as ``η``: AdamW's own curvature in ``g`` sets an
+    ``η``-independent floor of the relative error (the couplings add ``O(η)`` on top)."""
+    sizes = []
+    for lr in (1e-3, 1e-4):
+        first, second = Surrogate(lr=lr, reduction="sum").derivatives()
+        sizes.append((float(first.abs().mean()), float((0.5 * second).abs().mean())))
+    (lin_a, e_a), (lin_b, e_b) = sizes
+    assert 9.0 < lin_a / lin_b < 11.0 and 9.0 < e_a / e_b < 11.0
+    assert e_b > 0.05 * lin_b  # the floor is not negligible for batches of 4
+
+
 # ---------------------------------------------------------------------------- real runs
 class MLP(nn.Module):
     def __init__(self) -> None:

@@ -35,6 +35,12 @@ coupling only the captured coordinates.
 ``propagation="train"`` ``W`` itself (``(p, ·)``); both give the same scores.
 ``num_masks > 1`` splits each layer's captured coordinates into that many
 disjoint random groups, sweeps each on its own and averages the scores.
+
+The scores are first order: :meth:`AdamWInfluenceAttributor.error_proxy`
+computes the second-order term ``½a''(0)`` of removing each sample by a
+forward sweep along the same run (:mod:`.trajectory.second_order`), and
+flags the scores as unreliable when it is large against them
+(``attribute_from_cache(..., error_proxy=True)`` does so in probe mode).
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ class _Directions:
     Samples get indices in order of first appearance (``index``, shared by the
     blocks of one call). ``per_sample``: direction ``r`` is the one-hot of
     sample ``start + r``; rows exist only for block samples already seen, so
-    the tangents grow as they appear. Probes: ``num`` Rademacher directions,
+    the tangents grow as they appear. Probes: ``probes`` Rademacher directions,
     each sample's signs drawn (seeded) when it first appears.
     """
 

@@ -352,6 +352,15 @@ def test_attribute_from_cache_records_the_proxy_and_warns(mlp_runs):
     assert not score.algorithm_meta["error_proxy"]["reliable"]
 
 
+def test_attribute_passes_the_keyword(tmp_path):
+    attributor, _train_dir, _test_dir = mlp_run(tmp_path / "first", lr=0.03)
+    score = attributor.attribute(
+        mlp_data(N_TRAIN, 1), mlp_data(N_TEST, 2), cache_dir=str(tmp_path / "live"),
+        loss_reduction="sum", error_proxy=True,
+    )  # fmt: skip
+    assert score.algorithm_meta["error_proxy"]["num_samples"] == N_TRAIN
+
+
 def test_refusals(mlp_runs, tmp_path):
     attributor, train_dir, test_dir = mlp_runs[0.03, 3]
     with pytest.raises(ValueError, match=r"query_hessian must be a square \(p, p\) tensor"):

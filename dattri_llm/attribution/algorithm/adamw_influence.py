@@ -554,12 +554,13 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         """The second-order term ``E = ½a''(0)`` of removing each training sample.
 
         ``a(ε)`` is the query loss at ``θ_T`` with the sample's loss weighted
-        ``1 + ε``; removal is ``ε = −1``, whose linear estimate ``−a'(0)`` is
-        what :meth:`attribute_from_cache` scores (summed over the sample's
-        steps). ``E`` comes from a forward sweep of first and second tangents
-        along the recorded run (:mod:`.trajectory.second_order`): large
-        ``|E|`` against the linear estimate flags a trajectory too long or a
-        learning rate too large for first-order scores.
+        ``1 + ε``; removal is ``ε = −1``, with linear estimate ``−a'(0)``
+        (``a'(0)``: the sample's :meth:`attribute_from_cache` rows summed over
+        its steps). ``E`` comes from a forward sweep of first and second
+        tangents along the recorded run (:mod:`.trajectory.second_order`):
+        large ``|E|`` against the linear estimate flags a trajectory too long,
+        a learning rate too large, or samples too large a share of their
+        batches for first-order scores.
 
         Sources, ``dynamics``, ``final_step``, ``layer_name``,
         ``loss_reduction`` and ``hook_config`` are as in

@@ -12,6 +12,7 @@ weighted ``1 + w_z`` is differentiated twice by ``torch.func``.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import warnings
 
@@ -26,6 +27,7 @@ from dattri_llm.attribution.algorithm.adamw_influence import (
     ErrorProxy,
 )
 from dattri_llm.attribution.algorithm.trajectory import ErrorProxy as PackageErrorProxy
+from dattri_llm.attribution.algorithm.trajectory.second_order import _summarise
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.storage_manager import GradientStorageManager
@@ -156,10 +158,11 @@ def test_quadratic_run_matches_the_closed_form(tmp_path, reduction):
     assert float(proxy.second_order.abs().min()) > 1e-4 * scale  # nothing vanished
     torch.testing.assert_close(proxy.mean_second_order, proxy.second_order.mean(0))
     torch.testing.assert_close(proxy.rms_linear, proxy.linear.square().mean(0).sqrt())
-    # float32 (the default) agrees to its precision
+    # float32 agrees to its precision
     single = attributor.error_proxy(
-        train, test, dynamics=dynamics, loss_reduction=reduction, query_hessian=run.a
-    )
+        train, test, dynamics=dynamics, loss_reduction=reduction, query_hessian=run.a,
+        block_dtype=torch.float32,
+    )  # fmt: skip
     torch.testing.assert_close(
         single.second_order.double(), proxy.second_order, rtol=1e-3, atol=1e-4 * scale
     )
@@ -384,3 +387,13 @@ def test_refusals(mlp_runs, tmp_path):
     with pytest.raises(NotImplementedError, match="error_proxy does not model amsgrad"):
         attributor.error_proxy(amsgrad, test_dir)
     assert ErrorProxy is PackageErrorProxy
+
+
+def test_a_non_finite_term_is_not_reliable():
+    """An overflowed second-order term makes its query unreliable (never a relative error of 0)."""
+    mean = torch.tensor([1e-4, float("nan"), float("inf"), 0.0])
+    rms = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    proxy = _summarise(mean, rms, test_ids=["a", "b", "c", "d"], num_samples=3, mode="probes")
+    assert proxy.relative_error.tolist() == [pytest.approx(1e-4), math.inf, math.inf, 0.0]
+    assert not proxy.reliable  # median over (1e-4, 0, inf, inf) is inf
+    assert proxy.to_meta()["relative_error"][1] is None

@@ -507,7 +507,6 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
                 loss_reduction=loss_reduction,
                 hook_config=hook_config,
                 per_sample=False,
-                block_dtype=block_dtype,
                 verbose=verbose,
             )
             extra_meta = {**extra_meta, "error_proxy": proxy.to_meta()}
@@ -548,7 +547,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         num_probes: int = 16,
         seed: int = 0,
         query_hessian: torch.Tensor | None = None,
-        block_dtype: torch.dtype = torch.float32,
+        block_dtype: torch.dtype = torch.float64,
         verbose: bool = False,
     ) -> ErrorProxy:
         """The second-order term ``E = ½a''(0)`` of removing each training sample.
@@ -579,7 +578,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
                 the concatenated captured coordinates (layers in sorted order);
                 ``None``: the mean per-sample Gauss–Newton of the last update,
                 a query-independent stand-in.
-            block_dtype: the sweep's dtype (results on the CPU in it).
+            block_dtype: the sweep's dtype (results on the CPU in it). Float64 by
+                default: ``∂²θ'/∂v'²`` grows like ``v̂^(-3/2)`` where a coordinate's
+                second moment is tiny, which overflows float32.
 
         Raises:
             NotImplementedError: a run with ``amsgrad``.

@@ -129,7 +129,11 @@ def _summarise(
     size = mean_second_order.abs()
     tiny = torch.finfo(rms_linear.dtype).tiny
     relative = torch.where(rms_linear > 0, size / rms_linear.clamp_min(tiny), size * math.inf)
-    relative = torch.nan_to_num(relative, nan=0.0, posinf=math.inf)
+    # 0/0 (nothing moves) is exact; a non-finite term (overflow) is not reliable.
+    both_zero = (size == 0) & (rms_linear == 0)
+    relative = torch.where(
+        both_zero, 0.0, torch.nan_to_num(relative, nan=math.inf, posinf=math.inf)
+    )
     median = float(torch.quantile(relative.double(), 0.5))
     return ErrorProxy(
         train_ids=train_ids,
@@ -415,6 +419,15 @@ def _one_sweep(
     curvature = _query_curvature(tan.theta, last, query_hessian)
     linear = -(tan.theta @ q.T)
     second = 0.5 * (tan.theta2 @ q.T + curvature[:, None])
+    if not bool(torch.isfinite(second).all()):
+        warnings.warn(
+            f"the error proxy overflowed in {sweep.dtype} at "
+            f"{int((~torch.isfinite(second)).sum())} (direction, query) pairs (coordinates whose "
+            "second moment is nearly 0 have a huge ∂²θ'/∂v'²); those queries count as "
+            "unreliable. Sweep in torch.float64 (block_dtype) for finite values",
+            UserWarning,
+            stacklevel=4,
+        )
     return linear.cpu(), second.cpu()
 
 

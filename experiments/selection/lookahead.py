@@ -1,0 +1,706 @@
+"""Online look-ahead data selection against offline AdamW-influence selection, on a tiny Llama.
+
+A tiny ``LlamaForCausalLM`` (built from a config, nothing downloaded) is trained
+with AdamW on a finite pool of synthetic sequences over 32 tokens, mixed from
+sources of different usefulness for one target task, *counting up*
+(``s, s+1, s+2, …`` mod 32). The target loss is the mean next-token loss on
+held-out count-up sequences. Two mixtures:
+
+* **A** — count-up vs random walk (``±1`` steps of equal odds), half of each per batch;
+* **B** — four graded sources, a quarter of each per batch: count-up with token
+  noise 0, 0.2 and 0.5 (each position after the first replaced by a uniform
+  token with that probability) and the random walk.
+
+Methods, each trained for the same number of AdamW steps and batch size:
+
+* ``none`` — no selection;
+* ``grad-dot`` — ``DataSelectionCallback`` with the Grad-Dot score;
+* ``look-ahead K`` — the same callback with ``score="lookahead", horizon=K``;
+* ``offline`` — :func:`offline_selection`: AdamW-influence scores of a recorded
+  reference run, keep the top half of the pool, retrain from the same start.
+
+Every online row drops the bottom half of each batch by score
+(``threshold_mode="bottom_fraction"``, threshold 0.5, ``renormalize=True``)
+against a validation loader of count-up batches.
+
+Run:  python experiments/selection/lookahead.py [--smoke] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dattri_llm import (
+    REGISTER_ALL,
+    AdamWInfluenceAttributor,
+    AttributionArguments,
+    DataSelectionCallback,
+    GradientStorageManager,
+    HookManager,
+    HookManagerConfig,
+    OffloadCallback,
+    OptimizerStateCallback,
+)
+
+HERE = Path(__file__).parent
+VOCAB, SEQ, BATCH = 32, 16, 8
+LLAMA = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=SEQ,
+    attention_dropout=0.0,
+)
+KEEP_FRACTION = 0.5
+VAL_ID_OFFSET, EVAL_ID_OFFSET = 1_000_000, 2_000_000
+
+
+# ---------------------------------------------------------------------------- data
+def counting(n: int, gen: torch.Generator, noise: float = 0.0) -> torch.Tensor:
+    """``(n, SEQ)`` count-up sequences from random starts (mod VOCAB); each position after
+    the first is replaced by a uniform token with probability ``noise``."""
+    starts = torch.randint(0, VOCAB, (n, 1), generator=gen)
+    ids = (starts + torch.arange(SEQ)) % VOCAB
+    if noise > 0:
+        flip = torch.rand(n, SEQ, generator=gen) < noise
+        flip[:, 0] = False
+        ids = torch.where(flip, torch.randint(0, VOCAB, (n, SEQ), generator=gen), ids)
+    return ids
+
+
+def random_walk(n: int, gen: torch.Generator) -> torch.Tensor:
+    """``(n, SEQ)`` walks from random starts with steps ``±1`` of equal odds (mod VOCAB)."""
+    starts = torch.randint(0, VOCAB, (n, 1), generator=gen)
+    steps = 2 * torch.randint(0, 2, (n, SEQ - 1), generator=gen) - 1
+    walk = torch.cat([torch.zeros(n, 1, dtype=torch.long), steps.cumsum(1)], 1)
+    return (starts + walk) % VOCAB
+
+
+Source = Callable[[int, torch.Generator], torch.Tensor]
+MIXTURES: dict[str, dict[str, Source]] = {
+    "A": {"count-up": counting, "random walk": random_walk},
+    "B": {
+        "count-up": counting,
+        "count-up, noise 0.2": lambda n, g: counting(n, g, 0.2),
+        "count-up, noise 0.5": lambda n, g: counting(n, g, 0.5),
+        "random walk": random_walk,
+    },
+}
+
+
+@dataclass
+class Pool:
+    """A finite training pool: ``ids (N, SEQ)``, ``source (N,)`` (index into ``names``)."""
+
+    ids: torch.Tensor
+    source: torch.Tensor
+    names: list[str]
+
+    def batch(self, rows: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The model inputs of ``rows``; ``sample_id`` is the pool index."""
+        rows = torch.as_tensor(list(rows))
+        return tagged(self.ids[rows], rows)
+
+    def members(self, source: int) -> list[int]:
+        """Pool indices of one source."""
+        return torch.nonzero(self.source == source).flatten().tolist()
+
+
+def tagged(ids: torch.Tensor, sample_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A causal-LM batch carrying one integer identifier per row."""
+    return {"input_ids": ids, "labels": ids, "sample_id": sample_ids}
+
+
+def make_pool(mixture: str, per_source: int, seed: int) -> Pool:
+    """``per_source`` sequences of each source of ``mixture``, drawn with ``seed``."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    sources = MIXTURES[mixture]
+    ids = torch.cat([make(per_source, gen) for make in sources.values()])
+    source = torch.arange(len(sources)).repeat_interleave(per_source)
+    return Pool(ids, source, list(sources))
+
+
+def epochs(indices: Sequence[int], gen: torch.Generator):
+    """Endless stream of ``indices``, reshuffled every pass."""
+    while True:
+        for i in torch.randperm(len(indices), generator=gen).tolist():
+            yield indices[i]
+
+
+def mixed_schedule(pool: Pool, steps: int, seed: int) -> list[list[int]]:
+    """Per step, an equal share of the batch from every source (shuffled epochs per source)."""
+    gen = torch.Generator().manual_seed(20_000 + seed)
+    share = BATCH // len(pool.names)
+    streams = [epochs(pool.members(s), gen) for s in range(len(pool.names))]
+    return [[next(stream) for stream in streams for _ in range(share)] for _ in range(steps)]
+
+
+def uniform_schedule(indices: Sequence[int], steps: int, seed: int) -> list[list[int]]:
+    """Batches of ``BATCH`` from shuffled epochs over ``indices`` (the offline kept pool)."""
+    stream = epochs(list(indices), torch.Generator().manual_seed(30_000 + seed))
+    return [[next(stream) for _ in range(BATCH)] for _ in range(steps)]
+
+
+@dataclass
+class Target:
+    """The target task: validation batches (selection) and a held-out evaluation batch."""
+
+    val_batches: list[dict[str, torch.Tensor]]
+    eval_batch: dict[str, torch.Tensor]
+
+
+def make_target(seed: int, val_batches: int = 16, val_size: int = 4, eval_size: int = 64):
+    """Count-up validation batches and an evaluation batch, drawn with ``seed``."""
+    gen = torch.Generator().manual_seed(40_000 + seed)
+    val = []
+    for b in range(val_batches):
+        first = VAL_ID_OFFSET + b * val_size
+        val.append(tagged(counting(val_size, gen), torch.arange(first, first + val_size)))
+    eval_ids = torch.arange(EVAL_ID_OFFSET, EVAL_ID_OFFSET + eval_size)
+    return Target(val, tagged(counting(eval_size, gen), eval_ids))
+
+
+# ---------------------------------------------------------------------------- model
+class TaggedLM(nn.Module):
+    """A causal LM whose forward also takes (and ignores) a ``sample_id`` per row, so that a
+    ``HookManager(sample_id_key="sample_id")`` names each captured row by its pool index."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels=None, sample_id=None):  # noqa: ARG002
+        return self.lm(input_ids=input_ids, labels=labels)
+
+
+def build_model(seed: int) -> TaggedLM:
+    """A fresh tiny Llama (init seeded); RMSNorm weights frozen, so every trainable
+    parameter sits in a hooked ``nn.Linear`` / ``nn.Embedding`` (exact removal and
+    exact AdamW-influence coverage)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(50_000 + seed)
+    model = TaggedLM(LlamaForCausalLM(LlamaConfig(**LLAMA)))
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.requires_grad_(False)
+    return model.train()
+
+
+def lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Mean next-token cross-entropy (equal lengths: the mean of per-sequence means)."""
+    return model(**batch).loss
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batch: dict) -> float:
+    """Target loss on the held-out evaluation batch."""
+    model.eval()
+    loss = float(lm_loss(model, batch))
+    model.train()
+    return loss
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# ---------------------------------------------------------------------------- training
+@dataclass
+class Trained:
+    """One training run: target-loss curve, training-loop seconds (no evaluation), and the
+    count of dropped rows per source (online selection)."""
+
+    curve: dict[int, float]
+    seconds: float
+    dropped: list[int]
+
+
+CallbackFactory = Callable[[nn.Module, torch.optim.Optimizer], list]
+
+
+def train(
+    model: nn.Module,
+    pool: Pool,
+    schedule: list[list[int]],
+    lr: float,
+    target: Target,
+    *,
+    callbacks: CallbackFactory | None = None,
+    eval_every: int = 4,
+    **manager_kwargs,
+) -> Trained:
+    """AdamW over ``schedule`` (constant ``lr``); with ``callbacks`` the loop runs inside a
+    ``HookManager`` over every Linear/Embedding layer carrying them."""
+    optimizer = torch.optim.AdamW(trainable(model), lr=lr)
+    hooked = callbacks(model, optimizer) if callbacks else []
+    selector = next((c for c in hooked if isinstance(c, DataSelectionCallback)), None)
+    manager = None
+    if callbacks:
+        config = HookManagerConfig(linear_io=REGISTER_ALL)
+        manager = HookManager(model, config, callbacks=hooked, **manager_kwargs)
+    curve = {0: evaluate(model, target.eval_batch)}
+    dropped = [0] * len(pool.names)
+    seconds = 0.0
+    with manager.collect(deregister_on_exit=True) if manager else _nothing():
+        for step, rows in enumerate(schedule, start=1):
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            lm_loss(model, pool.batch(rows)).backward()
+            optimizer.step()
+            seconds += time.perf_counter() - start
+            if selector is not None:
+                for i in selector.last_dropped:
+                    dropped[int(pool.source[rows[i]])] += 1
+            if step % eval_every == 0 or step == len(schedule):
+                curve[step] = evaluate(model, target.eval_batch)
+    return Trained(curve, seconds, dropped)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def selection(target: Target, score: str, horizon: int | None = None) -> CallbackFactory:
+    """The online selection callback: bottom half of each batch dropped, kept samples
+    renormalized, target = one validation batch per step."""
+
+    def make(model: nn.Module, optimizer: torch.optim.Optimizer) -> list:
+        extra = {}
+        if score == "lookahead":
+            extra = dict(
+                score="lookahead",
+                horizon=horizon,
+                optimizer=optimizer,
+                max_grad_norm=None,
+                lookahead_curvature=True,
+            )
+        return [
+            DataSelectionCallback(
+                model,
+                target="val_loader",
+                val_loader=target.val_batches,
+                val_loss_fn=lm_loss,
+                renormalize=True,
+                selection_kwargs={"threshold": KEEP_FRACTION, "threshold_mode": "bottom_fraction"},
+                **extra,
+            )
+        ]
+
+    return make
+
+
+# ---------------------------------------------------------------------------- offline
+@dataclass
+class Offline:
+    """What :func:`offline_selection` returns: the kept pool indices, every pool sample's
+    helpfulness score, the reference run and the seconds of each stage."""
+
+    kept: list[int]
+    scores: torch.Tensor
+    reference: Trained
+    seconds: dict[str, float]
+
+
+def offline_selection(
+    pool: Pool,
+    schedule: list[list[int]],
+    lr: float,
+    target: Target,
+    model_at_start: Callable[[], nn.Module],
+    keep_fraction: float = KEEP_FRACTION,
+    eval_every: int = 4,
+) -> Offline:
+    """Select a training pool offline with AdamW-influence (the ``K = T`` horizon).
+
+    Recipe:
+
+    1. **Reference run.** Train ``model_at_start()`` on the whole pool along
+       ``schedule`` (no selection), recording every step's per-sample gradients
+       (``OffloadCallback``, rows named by pool index through
+       ``sample_id_key``) and the AdamW moments before/after every update
+       (``OptimizerStateCallback``).
+    2. **Queries.** At the final parameters ``θ_T``, capture the per-sample
+       gradients of the target queries (the validation batches the online
+       methods draw their targets from).
+    3. **Scores.** ``AdamWInfluenceAttributor.attribute_from_cache(...,
+       dynamics=..., propagation="test")`` gives, per (step, sample) row and
+       query, the first-order change of the query loss at ``θ_T`` when the
+       sample's weight at that step grows, through every later AdamW update.
+       Rows are summed over steps (a sample seen in several batches) and over
+       queries, and multiplied by the polarity ``-1``: positive = helpful.
+       Samples the run never saw score 0.
+    4. **Keep** the top ``keep_fraction`` of the pool by score.
+
+    The caller then retrains from the same start on the kept pool.
+    """
+    seconds = {}
+    with tempfile.TemporaryDirectory(prefix="offline_sel_") as tmp:
+        train_dir, query_dir = Path(tmp) / "train", Path(tmp) / "queries"
+        states: list[OptimizerStateCallback] = []
+
+        def recorders(model: nn.Module, optimizer: torch.optim.Optimizer) -> list:
+            states.append(OptimizerStateCallback(model, optimizer))
+            return [offload(train_dir), states[0]]
+
+        model = model_at_start()
+        reference = train(
+            model, pool, schedule, lr, target, callbacks=recorders, eval_every=eval_every,
+            sample_id_key="sample_id",
+        )  # fmt: skip
+        start = time.perf_counter()
+        states[0].save(str(train_dir))
+        capture_queries(model, target.val_batches, query_dir)
+        seconds["queries"] = time.perf_counter() - start
+        start = time.perf_counter()
+        scores = adamw_influence(train_dir, query_dir, states[0].dynamics(), len(pool.ids), tmp)
+        seconds["attribution"] = time.perf_counter() - start
+    seconds["reference"] = reference.seconds
+    order = torch.argsort(scores, descending=True, stable=True)
+    kept = sorted(order[: round(keep_fraction * len(order))].tolist())
+    return Offline(kept, scores, reference, seconds)
+
+
+def offload(directory: Path) -> OffloadCallback:
+    """Per-sample gradients of every backward, written to a fresh store at ``directory``."""
+    store = GradientStorageManager(str(directory))
+    return OffloadCallback(offload_interval=1, file_manager=store, recording_type="per_sample")
+
+
+def capture_queries(model: nn.Module, batches: list[dict], directory: Path) -> None:
+    """Per-sample query gradients at the current parameters (one backward, no update)."""
+    manager = HookManager(
+        model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[offload(directory)],
+        sample_id_key="sample_id",
+    )  # fmt: skip
+    queries = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+    with manager.collect(deregister_on_exit=True):
+        lm_loss(model, queries).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def adamw_influence(
+    train_dir: Path, query_dir: Path, dynamics: dict, pool_size: int, scratch: str
+) -> torch.Tensor:
+    """``(pool_size,)`` helpfulness: AdamW-influence rows summed over steps and queries,
+    times the polarity (positive = lowers the target loss)."""
+    args = AttributionArguments(output_dir=scratch, use_cpu=True, per_device_train_batch_size=BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        score = AdamWInfluenceAttributor(args).attribute_from_cache(
+            str(train_dir), str(query_dir), dynamics=dynamics, loss_reduction="mean",
+            propagation="test",
+        )  # fmt: skip
+    ids, matrix = score.agnostic_matrix()
+    helps = torch.zeros(pool_size, dtype=torch.float64)
+    helps[[int(i) for i in ids]] = score.polarity * matrix.sum(1).double()
+    return helps
+
+
+# ---------------------------------------------------------------------------- the grid
+@dataclass
+class Cell:
+    """One (mixture, learning rate, seed, method) result."""
+
+    mixture: str
+    lr: float
+    seed: int
+    method: str
+    curve: dict[int, float]
+    seconds_per_step: float
+    dropped: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def final(self) -> float:
+        return self.curve[max(self.curve)]
+
+
+def method_names(horizons: Sequence[int]) -> list[str]:
+    return ["none", "grad-dot", *(f"look-ahead K={k}" for k in horizons), "offline"]
+
+
+def pool_share(mixture: str, steps: int) -> int:
+    """Sequences per source: the pool is half the training-sample visits, so the reference run
+    sees every sample twice and the offline retraining (half the pool) four times."""
+    return max(1, steps * BATCH // (2 * len(MIXTURES[mixture])))
+
+
+def run_config(mixture: str, lr: float, seed: int, args: argparse.Namespace) -> list[Cell]:
+    """Every method on one (mixture, learning rate, seed)."""
+    pool = make_pool(mixture, pool_share(mixture, args.steps), seed)
+    schedule = mixed_schedule(pool, args.steps, seed)
+    target = make_target(seed)
+    cells = []
+
+    def record(method: str, run: Trained, **extra) -> None:
+        cell = Cell(mixture, lr, seed, method, run.curve, run.seconds / args.steps, **extra)
+        cell.dropped = run.dropped
+        cells.append(cell)
+        print(f"  {mixture} lr={lr:g} seed={seed} {method}: {cell.final:.4f}", flush=True)
+
+    def fit(factory: CallbackFactory | None, rows=schedule) -> Trained:
+        model = build_model(seed)
+        return train(model, pool, rows, lr, target, callbacks=factory, eval_every=args.eval_every)
+
+    record("none", fit(None))
+    record("grad-dot", fit(selection(target, "grad_dot")))
+    for k in args.horizons:
+        record(f"look-ahead K={k}", fit(selection(target, args.lookahead_score, k)))
+    offline = offline_selection(
+        pool, schedule, lr, target, lambda: build_model(seed), eval_every=args.eval_every
+    )
+    if offline.reference.curve != cells[0].curve:
+        raise RuntimeError("the recorded reference run diverged from the plain run")
+    retrained = fit(None, uniform_schedule(offline.kept, args.steps, seed))
+    stages = {**offline.seconds, "retrain": retrained.seconds}
+    kept_sources = [int((pool.source[offline.kept] == s).sum()) for s in range(len(pool.names))]
+    record("offline", retrained, kept=kept_sources, stage_seconds=stages)
+    cells[-1].seconds_per_step = sum(stages.values()) / args.steps
+    return cells
+
+
+# ---------------------------------------------------------------------------- reporting
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error (0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def finals(cells: list[Cell], mixture: str, method: str, lr: float) -> list[float]:
+    return [c.final for c in cells if (c.mixture, c.method, c.lr) == (mixture, method, lr)]
+
+
+def loss_table(cells: list[Cell], mixture: str, methods: list[str], lrs: list[float]) -> str:
+    """Rows = methods, columns = learning rates, cells = final target loss mean ± s.e.;
+    the best mean of each column in bold."""
+    stats = {(m, lr): mean_se(finals(cells, mixture, m, lr)) for m in methods for lr in lrs}
+    best = {lr: min(stats[m, lr][0] for m in methods) for lr in lrs}
+    lines = ["| method | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |"]
+    lines.append("|---|" + "---|" * len(lrs))
+    for m in methods:
+        row = []
+        for lr in lrs:
+            mean, se = stats[m, lr]
+            text = f"{mean:.4f} ± {se:.4f}"
+            row.append(f"**{text}**" if mean == best[lr] else text)
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def time_table(cells: list[Cell], methods: list[str]) -> str:
+    """Mean milliseconds per optimizer step of each method over every run (offline: its
+    reference run + query capture + attribution + retraining, per retraining step)."""
+    lines = ["| method | ms / step | × none |", "|---|---|---|"]
+    base = None
+    for m in methods:
+        ms = 1000 * mean_se([c.seconds_per_step for c in cells if c.method == m])[0]
+        base = base or ms
+        lines.append(f"| {m} | {ms:.1f} | {ms / base:.2f} |")
+    offline = [c.stage_seconds for c in cells if c.method == "offline"]
+    if offline:
+        parts = ", ".join(
+            f"{k} {sum(s[k] for s in offline) / len(offline):.2f} s" for k in offline[0]
+        )
+        lines.append("")
+        lines.append(f"Offline stages, mean seconds per run: {parts}.")
+    return "\n".join(lines)
+
+
+def composition_table(cells: list[Cell], mixture: str, methods: list[str], names) -> str:
+    """Share of each source among the samples a method trained on (online: kept rows of
+    every batch; offline: the kept pool), over every learning rate and seed."""
+    lines = ["| method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for m in methods:
+        chosen = [c for c in cells if c.mixture == mixture and c.method == m]
+        if m == "offline":
+            counts = [sum(c.kept[s] for c in chosen) for s in range(len(names))]
+        else:
+            per_batch = BATCH // len(names)
+            steps = max(chosen[0].curve) if chosen else 0
+            counts = [
+                sum(per_batch * steps - (c.dropped[s] if c.dropped else 0) for c in chosen)
+                for s in range(len(names))
+            ]
+        total = sum(counts) or 1
+        lines.append(f"| {m} | " + " | ".join(f"{n / total:.0%}" for n in counts) + " |")
+    return "\n".join(lines)
+
+
+def heatmaps(cells: list[Cell], mixtures, methods, lrs, path: Path) -> None:
+    """Per mixture: mean final target loss, rows = methods (K by K, then the references),
+    columns = learning rates, annotated mean ± s.e.; colour = log10 of the loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = [m for m in methods if m.startswith("look-ahead")] + [
+        m for m in methods if not m.startswith("look-ahead")
+    ]
+    fig, axes = plt.subplots(1, len(mixtures), figsize=(4.2 * len(mixtures), 0.45 * len(order) + 1.6))
+    for ax, mixture in zip(list(getattr(axes, "flat", [axes])), mixtures):
+        stats = [[mean_se(finals(cells, mixture, m, lr)) for lr in lrs] for m in order]
+        values = torch.tensor([[s[0] for s in row] for row in stats]).log10()
+        image = ax.imshow(values, cmap="viridis_r", aspect="auto")
+        for i, row in enumerate(stats):
+            for j, (mean, se) in enumerate(row):
+                ax.text(j, i, f"{mean:.3f}\n±{se:.3f}", ha="center", va="center", fontsize=7,
+                        color="white" if values[i, j] > values.mean() else "black")  # fmt: skip
+        ax.axhline(len([m for m in order if m.startswith("look-ahead")]) - 0.5, color="k", lw=1)
+        ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
+        ax.set_yticks(range(len(order)), order)
+        ax.set_xlabel("learning rate")
+        ax.set_title(f"mixture {mixture}: final target loss")
+        fig.colorbar(image, ax=ax, label="log10 loss", shrink=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def curves(cells: list[Cell], mixtures, methods, lrs, path: Path) -> None:
+    """Mean target-loss curve of each method, one panel per (mixture, learning rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(mixtures), len(lrs), figsize=(3.6 * len(lrs), 3 * len(mixtures)),
+                             squeeze=False, sharey=True)  # fmt: skip
+    for row, mixture in zip(axes, mixtures):
+        for ax, lr in zip(row, lrs):
+            for m in methods:
+                runs = [c.curve for c in cells if (c.mixture, c.method, c.lr) == (mixture, m, lr)]
+                steps = sorted(runs[0])
+                mean = [sum(r[s] for r in runs) / len(runs) for s in steps]
+                style = "--" if m in ("none", "offline", "grad-dot") else "-"
+                ax.plot(steps, mean, style, label=m, lw=1.2)
+            ax.set_yscale("log")
+            ax.set_title(f"mixture {mixture}, lr {lr:g}", fontsize=9)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        row[0].set_ylabel("target loss")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def machine() -> str:
+    """CPU model and core count."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        model = next(
+            (line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line),
+            model,
+        )
+    except OSError:
+        pass
+    import os
+
+    return f"{model}, nproc {os.cpu_count()}"
+
+
+def report(cells: list[Cell], args: argparse.Namespace, wall: float) -> str:
+    """The results document (tables only; the reading is appended by hand)."""
+    lrs, methods = args.lrs, method_names(args.horizons)
+    lines = [
+        "# Online look-ahead vs offline data selection",
+        "",
+        f"Generated by `lookahead.py{' --smoke' if args.smoke else ''}` on "
+        f"{time.strftime('%Y-%m-%d')}; machine: {machine()}; torch {torch.__version__}, "
+        f"{args.threads} thread(s); wall time {wall / 60:.1f} min (shared machine).",
+        "",
+        f"Setting: tiny Llama (hidden {LLAMA['hidden_size']}, {LLAMA['num_hidden_layers']} "
+        f"layers, vocab {VOCAB}, sequence {SEQ}); pool = half the sample visits (each sample "
+        "seen twice without selection); "
+        f"{args.steps} AdamW steps of batch {BATCH}; seeds {args.seeds}; online rows keep the "
+        f"top {KEEP_FRACTION:.0%} of each batch, offline keeps the top {KEEP_FRACTION:.0%} of "
+        f"the pool. Look-ahead score: `{args.lookahead_score}`. Cells: final held-out target "
+        "(count-up) loss, mean ± standard error over seeds; bold = best mean of the column.",
+    ]
+    for mixture in args.mixtures:
+        names = list(MIXTURES[mixture])
+        lines += [
+            "",
+            f"## Mixture {mixture} ({', '.join(names)})",
+            "",
+            loss_table(cells, mixture, methods, lrs),
+            "",
+            "Share of each source among the samples trained on:",
+            "",
+            composition_table(cells, mixture, methods, names),
+        ]
+    lines += ["", "## Step time", "", time_table(cells, methods), ""]
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a seconds-long run of every stage")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--horizons", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--mixtures", nargs="+", default=list(MIXTURES))
+    parser.add_argument("--lookahead-score", default="lookahead",
+                        help="score of the look-ahead rows ('grad_dot' to dry-run the harness)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.eval_every, args.lrs, args.seeds, args.horizons = 4, 2, [3e-3], [0], [1, 2]
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[Cell]:
+    args = parse(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    cells = []
+    for mixture in args.mixtures:
+        for lr in args.lrs:
+            for seed in args.seeds:
+                cells += run_config(mixture, lr, seed, args)
+    wall = time.perf_counter() - start
+    args.out.mkdir(parents=True, exist_ok=True)
+    methods = method_names(args.horizons)
+    heatmaps(cells, args.mixtures, methods, args.lrs, args.out / "lookahead_heatmap.png")
+    curves(cells, args.mixtures, methods, args.lrs, args.out / "lookahead_curves.png")
+    (args.out / "lookahead.md").write_text(report(cells, args, wall))
+    raw = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+           "wall_seconds": wall, "cells": [asdict(c) for c in cells]}  # fmt: skip
+    (args.out / "lookahead.json").write_text(json.dumps(raw, indent=1))
+    print(f"wall {wall:.1f} s -> {args.out}")
+    return cells
+
+
+if __name__ == "__main__":
+    main()

@@ -667,7 +667,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--eval-every", type=int, default=4)
-    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--horizons", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--mixtures", nargs="+", default=list(MIXTURES))

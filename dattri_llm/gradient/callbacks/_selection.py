@@ -222,10 +222,15 @@ def _float_factor(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _batch_first(f: Factorized) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch-first ``(a, g)`` of one layer's factors (floating ones in float32 at least)."""
+    f = f.as_batch_first()
+    return _float_factor(f.activation), _float_factor(f.pre_activation_grad)
+
+
 def _scaled(f: Factorized, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch-first ``(a, w_i·g_i)`` of one layer's factors."""
-    f = f.as_batch_first()
-    a, g = _float_factor(f.activation), _float_factor(f.pre_activation_grad)
+    a, g = _batch_first(f)
     w = weights.to(device=g.device, dtype=g.dtype).reshape(-1, *([1] * (g.ndim - 1)))
     return a, g * w
 
@@ -242,14 +247,16 @@ def _weight_delta(a: torch.Tensor, g: torch.Tensor, layer_type: str, module_kwar
 
 
 def _as_weight_shape(flat: torch.Tensor, shape: torch.Size, layer_type: str) -> torch.Tensor:
-    """Map a flat ``(d,)`` weight gradient to the weight ``shape`` (HF ``Conv1D`` is transposed)."""
+    """Map flat ``(..., d)`` weight gradients to ``(..., *shape)`` (HF ``Conv1D`` is transposed)."""
+    lead = flat.shape[:-1]
     if layer_type == HF_CONV1D_TYPE:
-        return flat.reshape(shape[1], shape[0]).T
-    return flat.reshape(shape)
+        return flat.reshape(*lead, shape[1], shape[0]).transpose(-1, -2)
+    return flat.reshape(*lead, *shape)
 
 
-def _bias_delta(g: torch.Tensor, layer_type: str) -> torch.Tensor:
-    """``Σ g`` over every axis but the channel one (dim 1 for conv and channel-first norms)."""
+def _bias_delta(g: torch.Tensor, layer_type: str, *, per_sample: bool = False) -> torch.Tensor:
+    """``Σ g`` over every axis but the channel one (dim 1 for conv and channel-first norms);
+    ``per_sample`` keeps the batch axis too: ``(B, C)``."""
     channel = (
         1
         if is_conv(layer_type)
@@ -257,8 +264,9 @@ def _bias_delta(g: torch.Tensor, layer_type: str) -> torch.Tensor:
         or layer_type in _CHANNEL_FIRST_NORMS
         else g.ndim - 1
     )
-    dims = [d for d in range(g.ndim) if d != channel]
-    return g.sum(dim=dims)
+    kept = {channel, 0} if per_sample else {channel}
+    dims = [d for d in range(g.ndim) if d not in kept]
+    return g.sum(dim=dims) if dims else g
 
 
 def _removal_params(
@@ -309,6 +317,27 @@ def layer_deltas(
             out.append((param, _as_weight_shape(flat, shape, layer_type)))
         else:
             out.append((param, _bias_delta(g, layer_type).reshape(shape)))
+    return out
+
+
+def sample_rows(
+    f: Factorized, layer_type: str, module: nn.Module
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """``[(param, rows)]``: each sample's gradient of the module's ``weight`` / ``bias``.
+
+    ``rows : (B, param.numel())`` float32 (at least), row ``i`` the flattened
+    ``∂L_i/∂param`` in the parameter's own layout; only parameters holding a
+    gradient. Materializes the layer's per-sample gradients (``B·numel`` numbers).
+    """
+    a, g = _batch_first(f)
+    out = []
+    for attr, param, shape in _removal_params(module, None):
+        if attr == "weight":
+            flat = materialize_factors(a, g, layer_type, f.module_kwargs, include_bias=False)
+            rows = _as_weight_shape(flat, shape, layer_type)
+        else:
+            rows = _bias_delta(g, layer_type, per_sample=True)
+        out.append((param, rows.reshape(rows.shape[0], -1)))
     return out
 
 

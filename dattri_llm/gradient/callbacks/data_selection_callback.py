@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dattri_llm.gradient.callbacks import _lookahead as lookahead
 from dattri_llm.gradient.callbacks import _selection as sel
 from dattri_llm.gradient.callbacks.base import HookManagerCallback
 from dattri_llm.gradient.model.container import Gradient, GradientRecord
@@ -27,6 +28,12 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.hooks.manager import HookManager
 
 __all__ = ["DataSelectionCallback"]
+
+
+_COLLECTIVE_LOOKAHEAD = (
+    "DataSelectionCallback: score='lookahead' is not implemented under DDP (world > 1) or FSDP "
+    "(per-rank batches against the averaged step); use score='grad_dot' there."
+)
 
 
 def _is_ddp(model: nn.Module) -> bool:
@@ -50,12 +57,37 @@ class DataSelectionCallback(HookManagerCallback):
             it the dropped contributions are just subtracted (sum-reduced losses).
         val_targets_per_pass: validation batches per pass; the pass's rows are
             split into that many targets consumed over the next steps.
-        scoring_kwargs: ``{"score_mode": "ghost" | "materialized"}``.
+        scoring_kwargs: ``{"score_mode": "ghost" | "materialized"}`` (Grad-Dot only).
         selection_kwargs: ``{"threshold": float, "threshold_mode": "hard" |
             "bottom_fraction" | "negative_bottom_fraction", "layer_wise": bool}``.
+        score: ``"grad_dot"`` (default): ``score_i = <t_i, q>`` with ``t_i`` sample
+            ``i``'s captured gradient and ``q`` the target's summed rows.
+            ``"lookahead"``: minus the first-order change of the target loss
+            ``K = horizon`` updates later when ``t_i`` is up-weighted in this step's
+            gradient, with frozen dynamics: ``score_i = −[q, 0, 0]·J^{K−1}·
+            (∂s'/∂g)·C'·t_i``, where ``s' = (θ', m', v')`` is the coming Adam/AdamW
+            update of the captured parameters (read from ``optimizer``: moments,
+            step + 1, each group's lr, betas, eps, weight decay: decoupled for
+            AdamW, coupled L2 for Adam), ``J`` its Jacobian in ``(θ, m, v)`` at the
+            current state (held fixed over the horizon, as is ``q``), ``g`` the
+            applied gradient (``param.grad`` times the clip coefficient) and ``C'``
+            the clip's Jacobian. With ``lookahead_curvature`` the gradient in ``J``
+            responds to ``θ`` like the batch's empirical Fisher of a *mean* loss,
+            ``∂g/∂θ ≈ C'·B·Σ_b t_b t_bᵀ``; without it ``J`` carries momentum, second
+            moment and weight decay only. ``K = 1`` is the Adam-preconditioned
+            alignment ``−q·(∂θ'/∂g)·C'·t_i``. Positive = helpful for both scores.
+            Only the captured per-sample layers enter; the per-sample gradients are
+            materialized once per step (``B`` × captured parameters, float32).
+        horizon: ``K ≥ 1``, the updates looked ahead (``"lookahead"`` only).
+        optimizer: the ``torch.optim.Adam`` / ``AdamW`` that steps the model
+            (``"lookahead"`` only; ``amsgrad`` / ``maximize`` refused).
+        max_grad_norm: the norm the training loop clips every parameter's gradient
+            to before ``optimizer.step()`` (``"lookahead"`` only), or ``None``.
+        lookahead_curvature: include the Gauss–Newton coupling in ``J``.
 
     Attributes:
-        last_scores: layer-summed scores ``(B,)`` of the last step (CPU), or ``None``.
+        last_scores: layer-summed scores ``(B,)`` of the last step (CPU; the
+            look-ahead scores with ``score="lookahead"``), or ``None``.
         last_dropped: sorted indices dropped at the last step (union over layers).
     """
 
@@ -73,9 +105,15 @@ class DataSelectionCallback(HookManagerCallback):
         *,
         scoring_kwargs: dict[str, Any] | None = None,
         selection_kwargs: dict[str, Any] | None = None,
+        score: str = "grad_dot",
+        horizon: int = 1,
+        optimizer: torch.optim.Optimizer | None = None,
+        max_grad_norm: float | None = None,
+        lookahead_curvature: bool = True,
     ) -> None:
         """Validate the options (``ValueError`` / ``TypeError`` naming the bad one)."""
         _check_target(target, target_gradient, val_loader, val_loss_fn)
+        lookahead.check_options(score, horizon, optimizer, max_grad_norm, lookahead_curvature)
         if isinstance(val_targets_per_pass, bool) or not isinstance(val_targets_per_pass, int):
             raise ValueError(
                 f"DataSelectionCallback: val_targets_per_pass must be an int >= 1, got "
@@ -95,6 +133,11 @@ class DataSelectionCallback(HookManagerCallback):
         self.val_targets_per_pass = val_targets_per_pass
         self.scoring_kwargs = sel.scoring_options(scoring_kwargs)
         self.selection_kwargs = sel.selection_options(selection_kwargs)
+        self.score = score
+        self.horizon = horizon
+        self.optimizer = optimizer
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.lookahead_curvature = lookahead_curvature
         if self.selection_kwargs["threshold_mode"] == "hard" and val_targets_per_pass > 1:
             warnings.warn(
                 "DataSelectionCallback: threshold_mode 'hard' with val_targets_per_pass > 1 "
@@ -121,7 +164,8 @@ class DataSelectionCallback(HookManagerCallback):
             ValueError: the manager projects or materializes captures, or
                 preconditions them with an optimizer (removal needs raw factors).
             NotImplementedError: ``model`` is FSDP2-wrapped, or FSDP1-wrapped without
-                ``use_orig_params=True`` or with ``target="val_loader"``.
+                ``use_orig_params=True``, with ``target="val_loader"`` or with
+                ``score="lookahead"``.
         """
         config = hook_manager.config
         if config.projection_kwargs or config.capture_style != "factorized":
@@ -143,6 +187,8 @@ class DataSelectionCallback(HookManagerCallback):
             )
         if is_fsdp(self.model):
             sel.fsdp_shard_slices(self.model)  # NotImplementedError without use_orig_params
+            if self.score == "lookahead":
+                raise NotImplementedError(_COLLECTIVE_LOOKAHEAD)
             if self.target == "val_loader":
                 raise NotImplementedError(
                     "DataSelectionCallback: target='val_loader' is not supported under FSDP (a "
@@ -163,6 +209,8 @@ class DataSelectionCallback(HookManagerCallback):
             self._captured.append(record)
             return
         if self._is_collective():
+            if self.score == "lookahead":
+                raise NotImplementedError(_COLLECTIVE_LOOKAHEAD)
             if self.selection_kwargs["layer_wise"]:
                 raise NotImplementedError(
                     "DataSelectionCallback: selection_kwargs['layer_wise'] is not implemented "
@@ -190,9 +238,21 @@ class DataSelectionCallback(HookManagerCallback):
     def _run(self, record: GradientRecord, *, collective: bool) -> None:
         with torch.no_grad():
             target = self._current_target()
-            scores = self.compute_scores(
-                record.gradient, target, scoring_kwargs=self.scoring_kwargs
-            )
+            root = unwrap_model(self.model)
+            if self.score == "lookahead":
+                scores = lookahead.lookahead_scores(
+                    record,
+                    root,
+                    target,
+                    self.optimizer,
+                    horizon=self.horizon,
+                    max_grad_norm=self.max_grad_norm,
+                    curvature=self.lookahead_curvature,
+                )
+            else:
+                scores = self.compute_scores(
+                    record.gradient, target, scoring_kwargs=self.scoring_kwargs
+                )
             if not scores:
                 raise ValueError(
                     f"DataSelectionCallback: the target shares no per-sample layer with the "
@@ -203,7 +263,6 @@ class DataSelectionCallback(HookManagerCallback):
             self.last_dropped = sorted(set().union(*dropped.values()))
             if self.last_dropped:
                 self._warn_batch_level(record.gradient)
-            root = unwrap_model(self.model)
             if collective:
                 self._remove_collectively(record, self.last_dropped, root)
             elif self.last_dropped:

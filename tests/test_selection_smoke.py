@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "selection" / "lookahead.py"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # about 35 s on 2 shared cores
 def test_lookahead_smoke_writes_tables_and_plots(tmp_path):
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],

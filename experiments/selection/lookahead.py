@@ -365,9 +365,15 @@ def offline_selection(
 
         model = model_at_start()
         reference = train(
-            model, pool, schedule, lr, target, callbacks=recorders, eval_every=eval_every,
+            model,
+            pool,
+            schedule,
+            lr,
+            target,
+            callbacks=recorders,
+            eval_every=eval_every,
             sample_id_key="sample_id",
-        )  # fmt: skip
+        )
         start = time.perf_counter()
         states[0].save(str(train_dir))
         capture_queries(model, target.val_batches, query_dir)
@@ -390,9 +396,11 @@ def offload(directory: Path) -> OffloadCallback:
 def capture_queries(model: nn.Module, batches: list[dict], directory: Path) -> None:
     """Per-sample query gradients at the current parameters (one backward, no update)."""
     manager = HookManager(
-        model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[offload(directory)],
+        model,
+        HookManagerConfig(linear_io=REGISTER_ALL),
+        callbacks=[offload(directory)],
         sample_id_key="sample_id",
-    )  # fmt: skip
+    )
     queries = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
     with manager.collect(deregister_on_exit=True):
         lm_loss(model, queries).backward()
@@ -408,9 +416,12 @@ def adamw_influence(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         score = AdamWInfluenceAttributor(args).attribute_from_cache(
-            str(train_dir), str(query_dir), dynamics=dynamics, loss_reduction="mean",
+            str(train_dir),
+            str(query_dir),
+            dynamics=dynamics,
+            loss_reduction="mean",
             propagation="test",
-        )  # fmt: skip
+        )
     ids, matrix = score.agnostic_matrix()
     helps = torch.zeros(pool_size, dtype=torch.float64)
     helps[[int(i) for i in ids]] = score.polarity * matrix.sum(1).double()
@@ -553,34 +564,80 @@ def composition_table(cells: list[Cell], mixture: str, methods: list[str], names
 
 
 def heatmaps(cells: list[Cell], mixtures, methods, lrs, path: Path) -> None:
-    """Per mixture: mean final target loss, rows = methods (K by K, then the references),
-    columns = learning rates, annotated mean ± s.e.; colour = log10 of the loss."""
+    """Per mixture: rows = methods (K by K, then the references), columns = learning rates,
+    annotated mean final target loss ± s.e.; colour = log2 of the mean over ``none``'s at
+    the same learning rate (blue: better than no selection); the best look-ahead ``K`` of
+    each column is boxed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
-    order = [m for m in methods if m.startswith("look-ahead")] + [
-        m for m in methods if not m.startswith("look-ahead")
-    ]
-    fig, axes = plt.subplots(1, len(mixtures), figsize=(4.2 * len(mixtures), 0.45 * len(order) + 1.6))
-    for ax, mixture in zip(list(getattr(axes, "flat", [axes])), mixtures):
+    horizons = [m for m in methods if m.startswith("look-ahead")]
+    order = horizons + [m for m in methods if m not in horizons]
+    fig, axes = plt.subplots(
+        1, len(mixtures), figsize=(4.6 * len(mixtures), 0.45 * len(order) + 1.8), squeeze=False
+    )
+    for ax, mixture in zip(axes[0], mixtures):
         stats = [[mean_se(finals(cells, mixture, m, lr)) for lr in lrs] for m in order]
-        values = torch.tensor([[s[0] for s in row] for row in stats]).log10()
-        image = ax.imshow(values, cmap="viridis_r", aspect="auto")
+        means = torch.tensor([[s[0] for s in row] for row in stats])
+        ratio = (means / means[order.index("none")]).log2()
+        bound = max(float(ratio.abs().max()), 1e-3)
+        image = ax.imshow(ratio, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
         for i, row in enumerate(stats):
             for j, (mean, se) in enumerate(row):
-                ax.text(j, i, f"{mean:.3f}\n±{se:.3f}", ha="center", va="center", fontsize=7,
-                        color="white" if values[i, j] > values.mean() else "black")  # fmt: skip
-        ax.axhline(len([m for m in order if m.startswith("look-ahead")]) - 0.5, color="k", lw=1)
+                dark = abs(float(ratio[i, j])) > 0.6 * bound
+                text = f"{mean:.3f}\n±{se:.3f}"
+                ax.text(j, i, text, ha="center", va="center", fontsize=7,
+                        color="white" if dark else "black")  # fmt: skip
+        if horizons:
+            for j in range(len(lrs)):
+                i = int(means[: len(horizons), j].argmin())
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec="k"))
+            ax.axhline(len(horizons) - 0.5, color="k", lw=1)
         ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
         ax.set_yticks(range(len(order)), order)
         ax.set_xlabel("learning rate")
-        ax.set_title(f"mixture {mixture}: final target loss")
-        fig.colorbar(image, ax=ax, label="log10 loss", shrink=0.8)
+        ax.set_title(f"mixture {mixture}: final target loss", fontsize=10)
+        fig.colorbar(image, ax=ax, label="log2(loss / no selection)", shrink=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def paired(cells: list[Cell], mixture: str, lr: float, a: str, b: str) -> tuple[float, float]:
+    """Mean ± s.e. over seeds of ``final(a) − final(b)`` (same seed = same pool and init)."""
+    by = {(c.method, c.seed): c.final for c in cells if (c.mixture, c.lr) == (mixture, lr)}
+    seeds = sorted({seed for method, seed in by if method == a and (b, seed) in by})
+    return mean_se([by[a, s] - by[b, s] for s in seeds])
+
+
+def horizon_table(cells: list[Cell], mixture: str, methods: list[str], lrs: list[float]) -> str:
+    """Per learning rate: the look-ahead horizon of lowest mean loss and its paired
+    differences (negative = lower loss) to ``offline``, ``K=1`` and ``none``."""
+    horizons = [m for m in methods if m.startswith("look-ahead")]
+    lines = [
+        "| lr | best K (mean) | best K − offline | K=1 − offline | best K − none "
+        "| offline − none | grad-dot − none |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt(pair: tuple[float, float]) -> str:
+        return f"{pair[0]:+.4f} ± {pair[1]:.4f}"
+
+    for lr in lrs:
+        best = min(horizons, key=lambda m: mean_se(finals(cells, mixture, m, lr))[0])
+        first = horizons[0]
+        lines.append(
+            f"| {lr:g} | {best.split('=')[1]} "
+            f"| {fmt(paired(cells, mixture, lr, best, 'offline'))} "
+            f"| {fmt(paired(cells, mixture, lr, first, 'offline'))} "
+            f"| {fmt(paired(cells, mixture, lr, best, 'none'))} "
+            f"| {fmt(paired(cells, mixture, lr, 'offline', 'none'))} "
+            f"| {fmt(paired(cells, mixture, lr, 'grad-dot', 'none'))} |"
+        )
+    return "\n".join(lines)
 
 
 def curves(cells: list[Cell], mixtures, methods, lrs, path: Path) -> None:
@@ -590,8 +647,13 @@ def curves(cells: list[Cell], mixtures, methods, lrs, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(mixtures), len(lrs), figsize=(3.6 * len(lrs), 3 * len(mixtures)),
-                             squeeze=False, sharey=True)  # fmt: skip
+    fig, axes = plt.subplots(
+        len(mixtures),
+        len(lrs),
+        figsize=(3.6 * len(lrs), 3 * len(mixtures)),
+        squeeze=False,
+        sharey=True,
+    )
     for row, mixture in zip(axes, mixtures):
         for ax, lr in zip(row, lrs):
             for m in methods:
@@ -627,15 +689,15 @@ def machine() -> str:
     return f"{model}, nproc {os.cpu_count()}"
 
 
-def report(cells: list[Cell], args: argparse.Namespace, wall: float) -> str:
-    """The results document (tables only; the reading is appended by hand)."""
+def report(cells: list[Cell], args: argparse.Namespace, meta: dict) -> str:
+    """The results document's tables (the hand-written reading is kept by :func:`write`)."""
     lrs, methods = args.lrs, method_names(args.horizons)
     lines = [
         "# Online look-ahead vs offline data selection",
         "",
-        f"Generated by `lookahead.py{' --smoke' if args.smoke else ''}` on "
-        f"{time.strftime('%Y-%m-%d')}; machine: {machine()}; torch {torch.__version__}, "
-        f"{args.threads} thread(s); wall time {wall / 60:.1f} min (shared machine).",
+        f"Generated by `lookahead.py{' --smoke' if args.smoke else ''}` on {meta['date']}; "
+        f"machine: {meta['machine']}; torch {meta['torch']}, {args.threads} thread(s); "
+        f"wall time {meta['wall_seconds'] / 60:.1f} min (shared machine).",
         "",
         f"Setting: tiny Llama (hidden {LLAMA['hidden_size']}, {LLAMA['num_hidden_layers']} "
         f"layers, vocab {VOCAB}, sequence {SEQ}); pool = half the sample visits (each sample "
@@ -652,6 +714,11 @@ def report(cells: list[Cell], args: argparse.Namespace, wall: float) -> str:
             f"## Mixture {mixture} ({', '.join(names)})",
             "",
             loss_table(cells, mixture, methods, lrs),
+            "",
+            "Paired differences of final target loss over seeds (negative = the first is "
+            "lower; the best K is picked on these same seeds, so its row is optimistic):",
+            "",
+            horizon_table(cells, mixture, methods, lrs),
             "",
             "Share of each source among the samples trained on:",
             "",
@@ -671,17 +738,76 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--horizons", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--mixtures", nargs="+", default=list(MIXTURES))
-    parser.add_argument("--lookahead-score", default="lookahead",
-                        help="score of the look-ahead rows ('grad_dot' to dry-run the harness)")  # fmt: skip
+    parser.add_argument(
+        "--lookahead-score",
+        default="lookahead",
+        help="score of the look-ahead rows ('grad_dot' to dry-run the harness)",
+    )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--render", action="store_true", help="rewrite the outputs from OUT/lookahead.json"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.eval_every, args.lrs, args.seeds, args.horizons = 4, 2, [3e-3], [0], [1, 2]
     return args
 
 
+READING = "## Reading"
+
+
+def write(cells: list[Cell], args: argparse.Namespace, meta: dict) -> None:
+    """Plots, ``lookahead.md`` (keeping a hand-written section from ``READING`` on) and the
+    raw ``lookahead.json`` under ``args.out``."""
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    methods = method_names(args.horizons)
+    heatmaps(cells, args.mixtures, methods, args.lrs, out / "lookahead_heatmap.png")
+    curves(cells, args.mixtures, methods, args.lrs, out / "lookahead_curves.png")
+    document = out / "lookahead.md"
+    kept = ""
+    if document.exists() and READING in document.read_text():
+        kept = READING + document.read_text().split(READING, 1)[1]
+    document.write_text(report(cells, args, meta) + ("\n" + kept if kept else ""))
+    raw = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "meta": meta,
+        "cells": [asdict(c) for c in cells],
+    }
+    (out / "lookahead.json").write_text(json.dumps(raw, indent=1))
+
+
+def load(path: Path) -> tuple[list[Cell], argparse.Namespace, dict]:
+    """Cells, arguments and run metadata of a written ``lookahead.json``."""
+    raw = json.loads(path.read_text())
+    cells = []
+    for c in raw["cells"]:
+        c["curve"] = {int(k): v for k, v in c["curve"].items()}
+        cells.append(Cell(**c))
+    args = argparse.Namespace(**raw["args"])
+    args.out = Path(args.out)
+    meta = raw.get("meta") or run_meta(raw["wall_seconds"], args.threads)
+    return cells, args, meta
+
+
+def run_meta(wall: float, threads: int) -> dict:
+    """Date, machine, torch version, threads and wall time of a run."""
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "torch": torch.__version__,
+        "threads": threads,
+        "wall_seconds": wall,
+    }
+
+
 def main(argv: list[str] | None = None) -> list[Cell]:
     args = parse(argv)
+    if args.render:
+        cells, saved, meta = load(args.out / "lookahead.json")
+        saved.out = args.out
+        write(cells, saved, meta)
+        return cells
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     cells = []
@@ -690,14 +816,7 @@ def main(argv: list[str] | None = None) -> list[Cell]:
             for seed in args.seeds:
                 cells += run_config(mixture, lr, seed, args)
     wall = time.perf_counter() - start
-    args.out.mkdir(parents=True, exist_ok=True)
-    methods = method_names(args.horizons)
-    heatmaps(cells, args.mixtures, methods, args.lrs, args.out / "lookahead_heatmap.png")
-    curves(cells, args.mixtures, methods, args.lrs, args.out / "lookahead_curves.png")
-    (args.out / "lookahead.md").write_text(report(cells, args, wall))
-    raw = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-           "wall_seconds": wall, "cells": [asdict(c) for c in cells]}  # fmt: skip
-    (args.out / "lookahead.json").write_text(json.dumps(raw, indent=1))
+    write(cells, args, run_meta(wall, args.threads))
     print(f"wall {wall:.1f} s -> {args.out}")
     return cells
 

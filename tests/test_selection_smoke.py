@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "selection" / "lo
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow  # about 35 s on 2 shared cores
+@pytest.mark.slow  # 35-80 s on 2 shared cores
 def test_lookahead_smoke_writes_tables_and_plots(tmp_path):
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],

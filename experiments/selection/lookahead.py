@@ -281,9 +281,12 @@ class _nothing:
         return False
 
 
-def selection(target: Target, score: str, horizon: int | None = None) -> CallbackFactory:
+def selection(
+    target: Target, score: str, horizon: int | None = None, curvature: bool = True
+) -> CallbackFactory:
     """The online selection callback: bottom half of each batch dropped, kept samples
-    renormalized, target = one validation batch per step."""
+    renormalized, target = one validation batch per step (``curvature``: the look-ahead's
+    Gauss–Newton coupling)."""
 
     def make(model: nn.Module, optimizer: torch.optim.Optimizer) -> list:
         extra = {}
@@ -293,7 +296,7 @@ def selection(target: Target, score: str, horizon: int | None = None) -> Callbac
                 horizon=horizon,
                 optimizer=optimizer,
                 max_grad_norm=None,
-                lookahead_curvature=True,
+                lookahead_curvature=curvature,
             )
         return [
             DataSelectionCallback(
@@ -448,8 +451,14 @@ class Cell:
         return self.curve[max(self.curve)]
 
 
-def method_names(horizons: Sequence[int]) -> list[str]:
-    return ["none", "grad-dot", *(f"look-ahead K={k}" for k in horizons), "offline"]
+def method_names(horizons: Sequence[int], offline: bool = True) -> list[str]:
+    """Row names in table order."""
+    looks = [f"look-ahead K={k}" for k in horizons]
+    return ["none", "grad-dot", *looks, *(["offline"] if offline else [])]
+
+
+def methods_of(args: argparse.Namespace) -> list[str]:
+    return method_names(args.horizons, getattr(args, "offline", True))
 
 
 def pool_share(mixture: str, steps: int) -> int:
@@ -478,7 +487,10 @@ def run_config(mixture: str, lr: float, seed: int, args: argparse.Namespace) -> 
     record("none", fit(None))
     record("grad-dot", fit(selection(target, "grad_dot")))
     for k in args.horizons:
-        record(f"look-ahead K={k}", fit(selection(target, args.lookahead_score, k)))
+        factory = selection(target, args.lookahead_score, k, args.curvature)
+        record(f"look-ahead K={k}", fit(factory))
+    if not args.offline:
+        return cells
     offline = offline_selection(
         pool, schedule, lr, target, lambda: build_model(seed), eval_every=args.eval_every
     )
@@ -614,29 +626,22 @@ def paired(cells: list[Cell], mixture: str, lr: float, a: str, b: str) -> tuple[
 
 
 def horizon_table(cells: list[Cell], mixture: str, methods: list[str], lrs: list[float]) -> str:
-    """Per learning rate: the look-ahead horizon of lowest mean loss and its paired
-    differences (negative = lower loss) to ``offline``, ``K=1`` and ``none``."""
+    """Per learning rate: the look-ahead horizon of lowest mean loss and paired differences
+    (negative = the first is lower) against ``offline`` (when run) and ``none``."""
     horizons = [m for m in methods if m.startswith("look-ahead")]
-    lines = [
-        "| lr | best K (mean) | best K − offline | K=1 − offline | best K − none "
-        "| offline − none | grad-dot − none |",
-        "|---|---|---|---|---|---|---|",
-    ]
-
-    def fmt(pair: tuple[float, float]) -> str:
-        return f"{pair[0]:+.4f} ± {pair[1]:.4f}"
-
+    pairs = [("best", "none"), ("grad-dot", "none")]
+    if "offline" in methods:
+        pairs = [("best", "offline"), (horizons[0], "offline"), *pairs, ("offline", "none")]
+    short = {"best": "best K"} | {m: m.replace("look-ahead ", "") for m in horizons}
+    heads = " | ".join(f"{short.get(a, a)} − {b}" for a, b in pairs)
+    lines = [f"| lr | best K (mean) | {heads} |", "|---|---|" + "---|" * len(pairs)]
     for lr in lrs:
         best = min(horizons, key=lambda m: mean_se(finals(cells, mixture, m, lr))[0])
-        first = horizons[0]
-        lines.append(
-            f"| {lr:g} | {best.split('=')[1]} "
-            f"| {fmt(paired(cells, mixture, lr, best, 'offline'))} "
-            f"| {fmt(paired(cells, mixture, lr, first, 'offline'))} "
-            f"| {fmt(paired(cells, mixture, lr, best, 'none'))} "
-            f"| {fmt(paired(cells, mixture, lr, 'offline', 'none'))} "
-            f"| {fmt(paired(cells, mixture, lr, 'grad-dot', 'none'))} |"
-        )
+        row = []
+        for a, b in pairs:
+            mean, se = paired(cells, mixture, lr, best if a == "best" else a, b)
+            row.append(f"{mean:+.4f} ± {se:.4f}")
+        lines.append(f"| {lr:g} | {best.split('=')[1]} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -691,7 +696,7 @@ def machine() -> str:
 
 def report(cells: list[Cell], args: argparse.Namespace, meta: dict) -> str:
     """The results document's tables (the hand-written reading is kept by :func:`write`)."""
-    lrs, methods = args.lrs, method_names(args.horizons)
+    lrs, methods = args.lrs, methods_of(args)
     lines = [
         "# Online look-ahead vs offline data selection",
         "",
@@ -704,7 +709,8 @@ def report(cells: list[Cell], args: argparse.Namespace, meta: dict) -> str:
         "seen twice without selection); "
         f"{args.steps} AdamW steps of batch {BATCH}; seeds {args.seeds}; online rows keep the "
         f"top {KEEP_FRACTION:.0%} of each batch, offline keeps the top {KEEP_FRACTION:.0%} of "
-        f"the pool. Look-ahead score: `{args.lookahead_score}`. Cells: final held-out target "
+        f"the pool. Look-ahead score: `{args.lookahead_score}`, Gauss–Newton coupling "
+        f"{'on' if getattr(args, 'curvature', True) else 'off'}. Cells: final held-out target "
         "(count-up) loss, mean ± standard error over seeds; bold = best mean of the column.",
     ]
     for mixture in args.mixtures:
@@ -743,6 +749,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="lookahead",
         help="score of the look-ahead rows ('grad_dot' to dry-run the harness)",
     )
+    parser.add_argument(
+        "--no-curvature",
+        dest="curvature",
+        action="store_false",
+        help="look-ahead rows without the Gauss-Newton coupling (lookahead_curvature=False)",
+    )
+    parser.add_argument(
+        "--no-offline", dest="offline", action="store_false", help="skip the offline rows"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
         "--render", action="store_true", help="rewrite the outputs from OUT/lookahead.json"
@@ -761,7 +776,7 @@ def write(cells: list[Cell], args: argparse.Namespace, meta: dict) -> None:
     raw ``lookahead.json`` under ``args.out``."""
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    methods = method_names(args.horizons)
+    methods = methods_of(args)
     heatmaps(cells, args.mixtures, methods, args.lrs, out / "lookahead_heatmap.png")
     curves(cells, args.mixtures, methods, args.lrs, out / "lookahead_curves.png")
     document = out / "lookahead.md"

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import subprocess
 import tempfile
@@ -555,23 +556,34 @@ def time_table(cells: list[Cell], methods: list[str]) -> str:
     return "\n".join(lines)
 
 
-def composition_table(cells: list[Cell], mixture: str, methods: list[str], names) -> str:
-    """Share of each source among the samples a method trained on (online: kept rows of
-    every batch; offline: the kept pool), over every learning rate and seed."""
-    lines = ["| method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for m in methods:
-        chosen = [c for c in cells if c.mixture == mixture and c.method == m]
-        if m == "offline":
-            counts = [sum(c.kept[s] for c in chosen) for s in range(len(names))]
+def composition(cells: list[Cell], n_sources: int) -> list[float]:
+    """Share of each source among the samples ``cells`` trained on (online: the kept rows
+    of every batch; offline: the kept pool)."""
+    counts = [0] * n_sources
+    for c in cells:
+        if c.method == "offline":
+            kept = c.kept
         else:
-            per_batch = BATCH // len(names)
-            steps = max(chosen[0].curve) if chosen else 0
-            counts = [
-                sum(per_batch * steps - (c.dropped[s] if c.dropped else 0) for c in chosen)
-                for s in range(len(names))
-            ]
-        total = sum(counts) or 1
-        lines.append(f"| {m} | " + " | ".join(f"{n / total:.0%}" for n in counts) + " |")
+            visits = BATCH // n_sources * max(c.curve)
+            kept = [visits - (c.dropped[s] if c.dropped else 0) for s in range(n_sources)]
+        counts = [a + b for a, b in zip(counts, kept)]
+    total = sum(counts) or 1
+    return [n / total for n in counts]
+
+
+def composition_table(
+    cells: list[Cell], mixture: str, methods: list[str], names: list[str], lrs: list[float]
+) -> str:
+    """Rows = methods, columns = learning rates, cells = the percent share of each source
+    (in ``names`` order, ``/``-separated) among the samples trained on, over the seeds."""
+    lines = ["| method | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |"]
+    lines.append("|---|" + "---|" * len(lrs))
+    for m in methods:
+        row = []
+        for lr in lrs:
+            chosen = [c for c in cells if (c.mixture, c.method, c.lr) == (mixture, m, lr)]
+            row.append("/".join(f"{100 * x:.0f}" for x in composition(chosen, len(names))))
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -629,7 +641,7 @@ def horizon_table(cells: list[Cell], mixture: str, methods: list[str], lrs: list
     """Per learning rate: the look-ahead horizon of lowest mean loss and paired differences
     (negative = the first is lower) against ``offline`` (when run) and ``none``."""
     horizons = [m for m in methods if m.startswith("look-ahead")]
-    pairs = [("best", "none"), ("grad-dot", "none")]
+    pairs = [("best", "none"), ("grad-dot", "none"), (horizons[0], "grad-dot")]
     if "offline" in methods:
         pairs = [("best", "offline"), (horizons[0], "offline"), *pairs, ("offline", "none")]
     short = {"best": "best K"} | {m: m.replace("look-ahead ", "") for m in horizons}
@@ -679,18 +691,17 @@ def curves(cells: list[Cell], mixtures, methods, lrs, path: Path) -> None:
 
 
 def machine() -> str:
-    """CPU model and core count."""
-    model = platform.processor() or "unknown CPU"
+    """CPU model (``lscpu``: model name, family, hypervisor) and ``nproc``."""
+    fields = {}
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        model = next(
-            (line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line),
-            model,
-        )
+        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     except OSError:
         pass
-    import os
-
+    model = fields.get("Model name", platform.processor() or "unknown CPU").strip()
+    for key, label in (("CPU family", "family"), ("Hypervisor vendor", "hypervisor")):
+        if key in fields:
+            model += f", {label} {fields[key].strip()}"
     return f"{model}, nproc {os.cpu_count()}"
 
 
@@ -726,9 +737,10 @@ def report(cells: list[Cell], args: argparse.Namespace, meta: dict) -> str:
             "",
             horizon_table(cells, mixture, methods, lrs),
             "",
-            "Share of each source among the samples trained on:",
+            f"Percent share of each source ({' / '.join(names)}) among the samples trained "
+            "on (online: rows kept in the batches; offline: the kept pool), over the seeds:",
             "",
-            composition_table(cells, mixture, methods, names),
+            composition_table(cells, mixture, methods, names, lrs),
         ]
     lines += ["", "## Step time", "", time_table(cells, methods), ""]
     return "\n".join(lines)

@@ -449,7 +449,14 @@ class Cell:
 
     @property
     def final(self) -> float:
+        """Target loss after the last step."""
         return self.curve[max(self.curve)]
+
+    @property
+    def tail(self) -> float:
+        """Mean target loss over the last 4 evaluations (less sensitive to the last step)."""
+        last = sorted(self.curve)[-4:]
+        return sum(self.curve[s] for s in last) / len(last)
 
 
 def method_names(horizons: Sequence[int], offline: bool = True) -> list[str]:
@@ -516,14 +523,20 @@ def mean_se(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def finals(cells: list[Cell], mixture: str, method: str, lr: float) -> list[float]:
-    return [c.final for c in cells if (c.mixture, c.method, c.lr) == (mixture, method, lr)]
+def finals(
+    cells: list[Cell], mixture: str, method: str, lr: float, metric: str = "final"
+) -> list[float]:
+    """One value per seed: ``"final"`` target loss or its ``"tail"`` mean."""
+    chosen = [c for c in cells if (c.mixture, c.method, c.lr) == (mixture, method, lr)]
+    return [getattr(c, metric) for c in chosen]
 
 
-def loss_table(cells: list[Cell], mixture: str, methods: list[str], lrs: list[float]) -> str:
-    """Rows = methods, columns = learning rates, cells = final target loss mean ± s.e.;
+def loss_table(
+    cells: list[Cell], mixture: str, methods: list[str], lrs: list[float], metric: str = "final"
+) -> str:
+    """Rows = methods, columns = learning rates, cells = ``metric`` mean ± s.e. over seeds;
     the best mean of each column in bold."""
-    stats = {(m, lr): mean_se(finals(cells, mixture, m, lr)) for m in methods for lr in lrs}
+    stats = {(m, lr): mean_se(finals(cells, mixture, m, lr, metric)) for m in methods for lr in lrs}
     best = {lr: min(stats[m, lr][0] for m in methods) for lr in lrs}
     lines = ["| method | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |"]
     lines.append("|---|" + "---|" * len(lrs))
@@ -741,6 +754,11 @@ def report(cells: list[Cell], args: argparse.Namespace, meta: dict) -> str:
             "on (online: rows kept in the batches; offline: the kept pool), over the seeds:",
             "",
             composition_table(cells, mixture, methods, names, lrs),
+            "",
+            "Robustness: mean target loss over the last 4 evaluations (the last "
+            f"{3 * args.eval_every} steps), mean ± s.e. over seeds:",
+            "",
+            loss_table(cells, mixture, methods, lrs, metric="tail"),
         ]
     lines += ["", "## Step time", "", time_table(cells, methods), ""]
     return "\n".join(lines)

@@ -31,7 +31,8 @@ def test_lookahead_smoke_writes_tables_and_plots(tmp_path):
         assert f"## Mixture {mixture}" in table
     for method in ("none", "grad-dot", "look-ahead K=1", "look-ahead K=2", "offline"):
         cells = re.findall(rf"^\| {re.escape(method)} \| \**(\d+\.\d{{4}}) ± ", table, re.M)
-        assert len(cells) == 2, (method, table)  # one row per mixture
+        assert len(cells) == 4, (method, table)  # final and tail-mean tables, per mixture
+    assert table.count("| lr | best K (mean) | best K − offline |") == 2
     assert "## Step time" in table and "torch" in table and "wall time" in table
     raw = json.loads((tmp_path / "lookahead.json").read_text(encoding="utf-8"))
     assert len(raw["cells"]) == 2 * 5

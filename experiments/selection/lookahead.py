@@ -38,6 +38,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -219,6 +220,7 @@ def evaluate(model: nn.Module, batch: dict) -> float:
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters AdamW updates (all but the frozen RMSNorm weights)."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -259,7 +261,7 @@ def train(
     curve = {0: evaluate(model, target.eval_batch)}
     dropped = [0] * len(pool.names)
     seconds = 0.0
-    with manager.collect(deregister_on_exit=True) if manager else _nothing():
+    with manager.collect(deregister_on_exit=True) if manager else nullcontext():
         for step, rows in enumerate(schedule, start=1):
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
@@ -272,14 +274,6 @@ def train(
             if step % eval_every == 0 or step == len(schedule):
                 curve[step] = evaluate(model, target.eval_batch)
     return Trained(curve, seconds, dropped)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def selection(
@@ -466,6 +460,7 @@ def method_names(horizons: Sequence[int], offline: bool = True) -> list[str]:
 
 
 def methods_of(args: argparse.Namespace) -> list[str]:
+    """The rows a run with ``args`` produces."""
     return method_names(args.horizons, getattr(args, "offline", True))
 
 
@@ -766,6 +761,7 @@ def report(cells: list[Cell], args: argparse.Namespace, meta: dict) -> str:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options (``--smoke`` overrides the grid with a seconds-long one)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a seconds-long run of every stage")
     parser.add_argument("--out", type=Path, default=HERE / "results")
@@ -848,6 +844,7 @@ def run_meta(wall: float, threads: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[Cell]:
+    """Run the grid (or ``--render`` a written one) and write the outputs."""
     args = parse(argv)
     if args.render:
         cells, saved, meta = load(args.out / "lookahead.json")

@@ -812,7 +812,7 @@ def write(cells: list[Cell], args: argparse.Namespace, meta: dict) -> None:
         kept = READING + document.read_text().split(READING, 1)[1]
     document.write_text(report(cells, args, meta) + ("\n" + kept if kept else ""))
     raw = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {k: v for k, v in vars(args).items() if k != "out"},  # no machine paths
         "meta": meta,
         "cells": [asdict(c) for c in cells],
     }
@@ -827,7 +827,7 @@ def load(path: Path) -> tuple[list[Cell], argparse.Namespace, dict]:
         c["curve"] = {int(k): v for k, v in c["curve"].items()}
         cells.append(Cell(**c))
     args = argparse.Namespace(**raw["args"])
-    args.out = Path(args.out)
+    args.out = path.parent
     meta = raw.get("meta") or run_meta(raw["wall_seconds"], args.threads)
     return cells, args, meta
 

@@ -35,10 +35,17 @@ coupling only the captured coordinates.
 ``propagation="train"`` ``W`` itself (``(p, ·)``); both give the same scores.
 ``num_masks > 1`` splits each layer's captured coordinates into that many
 disjoint random groups, sweeps each on its own and averages the scores.
+
+The scores are first order: :meth:`AdamWInfluenceAttributor.error_proxy`
+computes the second-order term ``½a''(0)`` of removing each sample by a
+forward sweep along the same run (:mod:`.trajectory.second_order`), and
+flags the scores as unreliable when it is large against them
+(``attribute_from_cache(..., error_proxy=True)`` does so in probe mode).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -48,12 +55,20 @@ import torch
 from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory.folds import ADAMW_OPTIMIZERS, AdamWFold
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics
+from dattri_llm.attribution.algorithm.trajectory.second_order import (
+    RELIABILITY_THRESHOLD,
+    ErrorProxy,
+    check_counts,
+    check_query_hessian,
+    error_proxy,
+)
 from dattri_llm.attribution.algorithm.trajectory.sweep import (
     LOSS_REDUCTIONS,
     TrajectorySweep,
     check_choice,
     swept_windows,
 )
+from dattri_llm.attribution.sources import normalize_layer_names
 from dattri_llm.gradient.callbacks.optimizer_state_callback import OptimizerStateCallback
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.state.dynamics import load_training_dynamics
@@ -81,7 +96,7 @@ Queries = dict[str, torch.Tensor]
 # Keywords of ``attribute_from_cache`` that ``attribute`` passes on.
 _FROM_CACHE = (
     "dynamics", "selected_training_steps", "layer_name", "loss_reduction", "propagation",
-    "loop_over_test", "final_step", "block_dtype", "num_masks", "algorithm_meta",
+    "loop_over_test", "final_step", "block_dtype", "num_masks", "algorithm_meta", "error_proxy",
 )  # fmt: skip
 
 
@@ -406,7 +421,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             train_dir, test_dir, hook_config=hook_config, verbose=verbose, **kwargs
         )
 
-    @keywords(extra=("num_masks", "algorithm_meta"))
+    @keywords(extra=("num_masks", "algorithm_meta", "error_proxy"))
     def attribute_from_cache(
         self,
         train_source: object,
@@ -434,6 +449,10 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         once per query block (``propagation="test"`` only). ``kwargs``: an int
         ``num_masks`` (default 1) averages that many disjoint coordinate groups
         of every layer; ``algorithm_meta`` (a dict) is merged into the score's;
+        ``error_proxy=True`` also runs :meth:`error_proxy` in probe mode (16
+        probes, about the cost of one more query-side sweep) and records its
+        :meth:`ErrorProxy.to_meta` under ``algorithm_meta["error_proxy"]``,
+        with a ``UserWarning`` when the linear scores are flagged unreliable;
         any other keyword raises ``TypeError``.
 
         Raises:
@@ -446,6 +465,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         self.validate_propagation(propagation, loop_over_test)
         num_masks = check_num_masks(kwargs.pop("num_masks", 1))
         extra_meta = kwargs.pop("algorithm_meta", None) or {}
+        with_proxy = bool(kwargs.pop("error_proxy", False))
         test_store = self.require_test_records(test_source)
         entries = self.load_dynamics(train_source, dynamics)
         scope = self.run_scope(
@@ -476,6 +496,22 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             )
         finally:
             self._verbose = False
+        if with_proxy:
+            proxy = self.error_proxy(
+                train_source,
+                test_source,
+                dynamics=entries,
+                selected_training_steps=selected_training_steps,
+                final_step=final_step,
+                layer_name=layer_name,
+                loss_reduction=loss_reduction,
+                hook_config=hook_config,
+                per_sample=False,
+                block_dtype=block_dtype,
+                verbose=verbose,
+            )
+            extra_meta = {**extra_meta, "error_proxy": proxy.to_meta()}
+            _warn_if_unreliable(proxy)
         return self.build_run_score(
             result,
             test_ids,
@@ -494,6 +530,128 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
                 "projection_kwargs": self.projection_kwargs,
                 **extra_meta,
             },
+        )
+
+    def error_proxy(
+        self,
+        train_source: object,
+        test_source: object,
+        *,
+        dynamics: object = None,
+        selected_training_steps: Iterable[int] | None = None,
+        final_step: int | None = None,
+        layer_name: str | list[str] | None = None,
+        loss_reduction: str = "mean",
+        hook_config: HookManagerConfig | None = None,
+        per_sample: bool = True,
+        sample_block: int = 256,
+        num_probes: int = 16,
+        seed: int = 0,
+        query_hessian: torch.Tensor | None = None,
+        block_dtype: torch.dtype = torch.float32,
+        verbose: bool = False,
+    ) -> ErrorProxy:
+        """The second-order term ``E = ½a''(0)`` of removing each training sample.
+
+        ``a(ε)`` is the query loss at ``θ_T`` with the sample's loss weighted
+        ``1 + ε``; removal is ``ε = −1``, whose linear estimate ``−a'(0)`` is
+        what :meth:`attribute_from_cache` scores (summed over the sample's
+        steps). ``E`` comes from a forward sweep of first and second tangents
+        along the recorded run (:mod:`.trajectory.second_order`): large
+        ``|E|`` against the linear estimate flags a trajectory too long or a
+        learning rate too large for first-order scores.
+
+        Sources, ``dynamics``, ``final_step``, ``layer_name``,
+        ``loss_reduction`` and ``hook_config`` are as in
+        :meth:`attribute_from_cache`; ``selected_training_steps`` restricts
+        which occurrences are perturbed (a sample's rows at other steps keep
+        their weight).
+
+        Args:
+            per_sample: one-hot directions, ``sample_block`` samples per forward
+                sweep (``ceil(N/sample_block)`` sweeps, each holding
+                ``6 × sample_block × p`` values); ``False``: ``num_probes``
+                Rademacher directions over all samples in one sweep (seeded
+                by ``seed``), estimating the mean ``E`` and the RMS of the
+                linear estimate per query.
+            query_hessian: ``(p, p)`` curvature ``H_q`` of the query loss over
+                the concatenated captured coordinates (layers in sorted order);
+                ``None``: the mean per-sample Gauss–Newton of the last update,
+                a query-independent stand-in.
+            block_dtype: the sweep's dtype (results on the CPU in it).
+
+        Raises:
+            NotImplementedError: a run with ``amsgrad``.
+            ValueError: bad ``loss_reduction``, ``sample_block``,
+                ``num_probes`` or ``query_hessian``; see :meth:`attribute_from_cache`.
+        """
+        check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
+        check_counts(sample_block=sample_block, num_probes=num_probes)
+        check_query_hessian(query_hessian)
+        test_store = self.require_test_records(test_source)
+        entries = self.load_dynamics(train_source, dynamics)
+        scope = self.run_scope(
+            train_source,
+            selected_training_steps=selected_training_steps,
+            final_step=final_step,
+            entries=entries,
+        )
+        _check_entries(entries, scope.swept)
+        fold = self._fold(scope.run)
+        fold.check_run(scope.run, scope.swept)
+        if fold.amsgrad:
+            raise NotImplementedError(
+                "error_proxy does not model amsgrad (the running maximum of v has no second "
+                "derivative); use the first-order scores of attribute_from_cache alone"
+            )
+        layers = normalize_layer_names(layer_name)
+        engine = TrajectorySweep(
+            fold,
+            scope.run,
+            device=torch.device(self.args.device),
+            dtype=block_dtype,
+            loss_reduction=loss_reduction,
+            progress=self._progress(verbose),
+        )
+        source = self.open_train_source(
+            train_source,
+            steps=scope.swept_steps,
+            layer_name=layers,
+            hook_config=self.capture_config(hook_config),
+        )
+        try:
+            test = self.load_test_rep(test_store, layer_name=layers)
+            test_ids, queries = self.collect_test_matrix(test, dtype=block_dtype)
+            return error_proxy(
+                engine,
+                source,
+                scope.swept,
+                set(scope.output_steps),
+                queries,
+                test_ids,
+                per_sample=per_sample,
+                sample_block=sample_block,
+                num_probes=num_probes,
+                seed=seed,
+                query_hessian=query_hessian,
+                layers=layers,
+                entries=entries,
+            )
+        finally:
+            self.close_source(source)
+
+
+def _warn_if_unreliable(proxy: ErrorProxy) -> None:
+    """``UserWarning`` when the proxy flags the linear scores as unreliable."""
+    if not proxy.reliable:
+        warnings.warn(
+            f"AdamW-influence's linear scores may be unreliable: the second-order term of "
+            f"removing a sample is {proxy.median_relative_error:.3g} of the linear estimate's "
+            f"RMS (median over the queries; threshold {proxy.threshold}). Score a shorter "
+            "trajectory window (selected_training_steps / final_step) or a run with a smaller "
+            "learning rate",
+            UserWarning,
+            stacklevel=3,
         )
 
 
@@ -523,6 +681,8 @@ def _check_options(options: Mapping[str, Any]) -> None:
 __all__ = [
     "ADAMW_DYNAMICS_FILE",
     "ADAMW_OPTIMIZERS",
+    "RELIABILITY_THRESHOLD",
     "AdamWInfluenceAttributor",
+    "ErrorProxy",
     "coordinate_groups",
 ]

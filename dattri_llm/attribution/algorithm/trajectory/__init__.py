@@ -9,7 +9,8 @@
   optimizer update applied (windows, clip, loss scale, per-coordinate values);
 * :mod:`.sweep`: :class:`TrajectorySweep`, the backward sweep over the
   updates, and the :class:`Fold` interface a method fills in;
-* :mod:`.folds`: the folds of trajectory TracIn, DVEmb and AdamW-influence.
+* :mod:`.folds`: the folds of trajectory TracIn, DVEmb and AdamW-influence;
+* :mod:`.second_order`: AdamW-influence's second-order error proxy (a forward sweep).
 """
 
 from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
@@ -20,6 +21,10 @@ from dattri_llm.attribution.algorithm.trajectory.recording import (
 )
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
 from dattri_llm.attribution.algorithm.trajectory.scope import RunScope
+from dattri_llm.attribution.algorithm.trajectory.second_order import (
+    RELIABILITY_THRESHOLD,
+    ErrorProxy,
+)
 from dattri_llm.attribution.algorithm.trajectory.sweep import (
     LOSS_REDUCTIONS,
     PROPAGATIONS,
@@ -31,9 +36,11 @@ from dattri_llm.attribution.algorithm.trajectory.sweep import (
 __all__ = [
     "LOSS_REDUCTIONS",
     "PROPAGATIONS",
+    "RELIABILITY_THRESHOLD",
     "TEST_GRADS_DIR",
     "TRAIN_GRADS_DIR",
     "TRAIN_SNAPSHOTS_DIR",
+    "ErrorProxy",
     "Fold",
     "RunDynamics",
     "RunScope",

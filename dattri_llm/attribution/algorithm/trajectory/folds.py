@@ -98,7 +98,7 @@ class _AdamSummary:
 
 
 @dataclass
-class _AdamCoefficients:
+class AdamCoefficients:
     """Per-coordinate pieces of one AdamW update's Jacobian (``(p_g,)`` each)."""
 
     a_theta: torch.Tensor  # ∂θ'/∂g
@@ -113,6 +113,9 @@ class _AdamCoefficients:
     beta2: torch.Tensor
     decay: torch.Tensor  # 1 − lr·wd (decoupled) or 1
     l2: torch.Tensor | None  # wd of Adam's coupled L2 decay (∂g/∂θ), None when 0
+    theta_mp: torch.Tensor  # ∂θ'/∂m' (through the new first moment)
+    theta_mv: torch.Tensor | None = None  # ∂²θ'/∂m'∂v' (second_order only)
+    theta_vv: torch.Tensor | None = None  # ∂²θ'/∂v'² (second_order only)
 
 
 class AdamWFold(Fold):
@@ -161,7 +164,7 @@ class AdamWFold(Fold):
         fold: bool,
     ) -> torch.Tensor | None:
         """Rows ``K·(C t)``; then carry ``U`` back through the update."""
-        co = self._coefficients(rows, columns)
+        co = adam_coefficients(rows, columns, amsgrad=self.amsgrad)
         s = summary
         k = torch.mul(s.theta, co.a_theta, out=s.k)
         k.addcmul_(s.m, co.a_m).addcmul_(s.v, co.a_v)
@@ -178,7 +181,7 @@ class AdamWFold(Fold):
         return y if emit else None
 
     @staticmethod
-    def _transition(s: _AdamSummary, co: _AdamCoefficients, k: torch.Tensor) -> None:
+    def _transition(s: _AdamSummary, co: AdamCoefficients, k: torch.Tensor) -> None:
         """``U ← U·J`` (all from the pre-update ``U``), except the coupling term."""
         s.m.mul_(co.beta1).addcmul_(s.theta, co.theta_m)
         if s.u is None:
@@ -191,41 +194,89 @@ class AdamWFold(Fold):
         if co.l2 is not None:
             s.theta.addcmul_(k, co.l2)
 
-    def _coefficients(self, rows: WindowRows, columns: Columns) -> _AdamCoefficients:
-        def value(key: str) -> torch.Tensor:
-            return select(rows.values(key), columns)
 
-        moments = _moments(rows.entry, rows, columns, self.amsgrad)
-        lr, eps, n = value("lr"), value("eps"), value("step")
-        beta1, beta2 = value("beta1"), value("beta2")
-        bc1, bc2 = 1.0 - beta1.pow(n), 1.0 - beta2.pow(n)
-        g = (moments["m_post"] - beta1 * moments["m_pre"]) / (1.0 - beta1)
-        second = moments["u_post"] if self.amsgrad else moments["v_post"]
-        d, s = adam_preconditioner(moments["m_post"] / bc1, second / bc2, eps=eps)
-        d, s = d.to(lr), s.to(lr)
-        lr_s = lr * s / bc2
-        a_v = 2.0 * (1.0 - beta2) * g
-        select_v = theta_u = a_u = None
-        theta_v = lr_s
-        if self.amsgrad:
-            select_v = (moments["v_post"] >= moments["u_pre"]).to(lr)
-            theta_v, theta_u, a_u = lr_s * select_v, lr_s * (1.0 - select_v), a_v * select_v
-        wd, decoupled = value("weight_decay"), value("decoupled_weight_decay")
-        l2 = wd * (1.0 - decoupled)
-        return _AdamCoefficients(
-            a_theta=-lr * d * (1.0 - beta1) / bc1 + theta_v * a_v,
-            a_m=1.0 - beta1,
-            a_v=a_v,
-            a_u=a_u,
-            theta_m=-lr * d * beta1 / bc1,
-            theta_v=theta_v,
-            theta_u=theta_u,
-            select_v=select_v,
-            beta1=beta1,
-            beta2=beta2,
-            decay=1.0 - lr * wd * decoupled,
-            l2=l2 if bool((l2 != 0).any()) else None,
-        )
+def adam_coefficients(
+    rows: WindowRows, columns: Columns, *, amsgrad: bool = False, second_order: bool = False
+) -> AdamCoefficients:
+    """The per-coordinate pieces of one AdamW update's Jacobian (``(p_g,)`` each).
+
+    Read from the update's recorded moments and each coordinate's group values;
+    the applied gradient is ``g = (m' − β1 m)/(1 − β1)``. ``second_order`` adds
+    the second derivatives of ``θ'`` in ``(m', v')`` (``theta_mv``,
+    ``theta_vv``), which the forward error-proxy sweep needs.
+
+    Raises:
+        NotImplementedError: ``second_order`` with ``amsgrad``.
+    """
+
+    def value(key: str) -> torch.Tensor:
+        return select(rows.values(key), columns)
+
+    if amsgrad and second_order:
+        raise NotImplementedError("the second-order AdamW pieces do not model amsgrad")
+    moments = _moments(rows.entry, rows, columns, amsgrad)
+    lr, eps, n = value("lr"), value("eps"), value("step")
+    beta1, beta2 = value("beta1"), value("beta2")
+    bc1, bc2 = 1.0 - beta1.pow(n), 1.0 - beta2.pow(n)
+    g = (moments["m_post"] - beta1 * moments["m_pre"]) / (1.0 - beta1)
+    second = moments["u_post"] if amsgrad else moments["v_post"]
+    d, s = adam_preconditioner(moments["m_post"] / bc1, second / bc2, eps=eps)
+    d, s = d.to(lr), s.to(lr)
+    lr_s = lr * s / bc2
+    a_v = 2.0 * (1.0 - beta2) * g
+    select_v = theta_u = a_u = None
+    theta_v = lr_s
+    if amsgrad:
+        select_v = (moments["v_post"] >= moments["u_pre"]).to(lr)
+        theta_v, theta_u, a_u = lr_s * select_v, lr_s * (1.0 - select_v), a_v * select_v
+    wd, decoupled = value("weight_decay"), value("decoupled_weight_decay")
+    l2 = wd * (1.0 - decoupled)
+    theta_mv = theta_vv = None
+    if second_order:
+        theta_mv, theta_vv = _second_derivatives(moments["m_post"], second, lr, eps, bc1, bc2)
+    return AdamCoefficients(
+        a_theta=-lr * d * (1.0 - beta1) / bc1 + theta_v * a_v,
+        a_m=1.0 - beta1,
+        a_v=a_v,
+        a_u=a_u,
+        theta_m=-lr * d * beta1 / bc1,
+        theta_v=theta_v,
+        theta_u=theta_u,
+        select_v=select_v,
+        beta1=beta1,
+        beta2=beta2,
+        decay=1.0 - lr * wd * decoupled,
+        l2=l2 if bool((l2 != 0).any()) else None,
+        theta_mp=-lr * d / bc1,
+        theta_mv=theta_mv,
+        theta_vv=theta_vv,
+    )
+
+
+def _second_derivatives(
+    m_post: torch.Tensor,
+    v_post: torch.Tensor,
+    lr: torch.Tensor,
+    eps: torch.Tensor,
+    bc1: torch.Tensor,
+    bc2: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(∂²θ'/∂m'∂v', ∂²θ'/∂v'²)`` of ``θ' = … − (lr/bc1)·m'·D(v')``.
+
+    ``D(v') = 1/(r + eps)`` with ``r = √(v'/bc2)``: ``D' = −1/(2 bc2 r (r+eps)²)``,
+    ``D'' = (3r + eps)/(4 bc2² r³ (r+eps)³)``, computed in float64 and taken
+    as 0 where ``r = 0`` (as the first derivative is).
+    """
+    f64 = torch.float64
+    bc2_64, eps_64 = bc2.to(f64), eps.to(f64)
+    r = (v_post.to(f64) / bc2_64).sqrt()
+    positive = r > 0
+    safe = torch.where(positive, r, torch.ones_like(r))
+    d1 = -1.0 / (2.0 * bc2_64 * safe * (safe + eps_64) ** 2)
+    d2 = (3.0 * safe + eps_64) / (4.0 * bc2_64**2 * safe**3 * (safe + eps_64) ** 3)
+    d1, d2 = torch.where(positive, d1, 0.0), torch.where(positive, d2, 0.0)
+    rate = -(lr.to(f64) / bc1.to(f64))
+    return (rate * d1).to(lr), (rate * m_post.to(f64) * d2).to(lr)
 
 
 def _moments(

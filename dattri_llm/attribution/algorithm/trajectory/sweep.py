@@ -341,6 +341,52 @@ class TrajectorySweep:
                 yield Emission(rows, out if len(keep) == len(rows.ids) else out[keep], keep)
             del read, rows, out
 
+    def forward_rows(
+        self,
+        source: GradientSource,
+        windows: list[Window],
+        *,
+        layers: list[str] | None = None,
+        entries: Mapping[int, Mapping[str, Any]] | None = None,
+    ) -> Iterator[WindowRows]:
+        """Each of ``windows``' rows, earliest first (for sweeps that run forward in time).
+
+        Raises:
+            ValueError: windows whose blocks disagree on layers.
+        """
+        layout: dict[str, int] | None = None
+        for window in self.progress(list(windows)):
+            rows = self._rows(self._read(source, window, layers, entries))
+            if layout is not None and rows.layout != layout:
+                raise ValueError(
+                    f"training blocks disagree on layers: update {window.key} has "
+                    f"{dict(rows.layout)}, earlier updates {layout}; record the whole run with "
+                    "the same hook config"
+                )
+            layout = rows.layout
+            yield rows
+
+    def query_matrix(
+        self, layout: Mapping[str, int], queries: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[str]]:
+        """The queries ``{layer: (n_test, d)}`` as one ``(n_test, p)`` matrix in ``layout``.
+
+        Layers only the training side holds are zero. Returns the matrix and the
+        layers both sides hold.
+
+        Raises:
+            ValueError: no layer shared with the queries, a width mismatch.
+        """
+        shared = _check_queries(layout, queries)
+        n_test = next(iter(queries.values())).shape[0]
+        q = torch.zeros(n_test, sum(layout.values()), dtype=self.dtype, device=self.device)
+        offset = 0
+        for name, size in layout.items():
+            if name in queries:
+                q[:, offset : offset + size] = queries[name].to(self.device, self.dtype)
+            offset += size
+        return q, shared
+
     # ------------------------------------------------------------------ summaries
     def _start(
         self,
@@ -352,14 +398,7 @@ class TrajectorySweep:
         q = None
         self.layers_used = list(layout)
         if queries is not None:
-            self.layers_used = _check_queries(layout, queries)
-            n_test = next(iter(queries.values())).shape[0]
-            q = torch.zeros(n_test, width, dtype=self.dtype, device=self.device)
-            offset = 0
-            for name, size in layout.items():
-                if name in queries:
-                    q[:, offset : offset + size] = queries[name].to(self.device, self.dtype)
-                offset += size
+            q, self.layers_used = self.query_matrix(layout, queries)
         self._queries = q
         groups = self.groups(layout)
         if propagation == "train":
@@ -568,6 +607,6 @@ def _check_queries(layout: Mapping[str, int], queries: Mapping[str, torch.Tensor
             f"layers {one_sided} were captured on only one side and do not contribute to the "
             "scores (train-only layers still enter the propagation)",
             UserWarning,
-            stacklevel=6,
+            stacklevel=7,
         )
     return shared

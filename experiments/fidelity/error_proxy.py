@@ -174,20 +174,32 @@ def proxy_available() -> bool:
     return hasattr(attributor_class("AdamWInfluenceAttributor"), "error_proxy")
 
 
-def error_proxy(captured: Captured) -> dict:
-    """The library's error proxy in fine-tuning-row / query-column order (float64)."""
+def run_proxy(captured: Captured, dtype: torch.dtype):
+    """``AdamWInfluenceAttributor.error_proxy`` of the capture, the sweep in ``dtype``."""
     attributor = attributor_class("AdamWInfluenceAttributor")(arguments(captured))
-    t = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        proxy = attributor.error_proxy(
+        return attributor.error_proxy(
             captured.trajectory,
             captured.queries_final,
             dynamics=captured.dynamics,
             loss_reduction=captured.setting.loss_reduction,
             per_sample=True,
+            block_dtype=dtype,
         )
+
+
+def error_proxy(captured: Captured) -> dict:
+    """The library's error proxy in fine-tuning-row / query-column order (float64).
+
+    The sweep runs in float64; the default float32 sweep is run too, for its share of
+    non-finite ``E`` and its ``reliable`` flag.
+    """
+    t = time.perf_counter()
+    proxy = run_proxy(captured, torch.float64)
     seconds = time.perf_counter() - t
+    default = run_proxy(captured, torch.float32)
+    nonfinite32 = float((~torch.isfinite(torch.as_tensor(default.second_order))).double().mean())
     relative = torch.as_tensor(proxy.relative_error).double()
     row_of = {sample: r for r, sample in enumerate(captured.train_ids)}
     test_ids = list(proxy.test_ids)
@@ -208,6 +220,9 @@ def error_proxy(captured: Captured) -> dict:
         "reliable": bool(proxy.reliable),  # the library's flag: median relative_error
         "threshold": float(proxy.threshold),
         "seconds": seconds,
+        "nonfinite32": nonfinite32,
+        "reliable32": bool(default.reliable),
+        "relative32": float(torch.as_tensor(default.relative_error).double().median()),
     }
 
 
@@ -296,6 +311,9 @@ def evaluate(setting, length, rep, linear, proxy, removed: list[int]) -> Row:
             "reliable_fraction": float(proxy["reliable_queries"].double().mean()),
             "corrected_spearman": float(spearman_per_query(linear + second, truth).mean()),
             "proxy_seconds": proxy["seconds"],
+            "nonfinite32": proxy["nonfinite32"],
+            "reliable32": proxy["reliable32"],
+            "relative32": proxy["relative32"],
             "threshold": proxy["threshold"],
         }
         per_query |= {
@@ -466,6 +484,15 @@ def write_table(rows: list[Row], info: dict, out: Path) -> Path:
             f"`proxy.linear` against AdamW-influence's removal estimate: max relative "
             f"difference {max(checks):.1e} over the configurations. Proxy seconds per "
             "configuration: " + ", ".join(f"{r.metrics['proxy_seconds']:.1f}" for r in rows) + ".",
+            "",
+            "The proxy above is swept in float64 (`block_dtype=torch.float64`). With the "
+            "default float32 sweep, the share of non-finite E per configuration: "
+            + ", ".join(f"{r.metrics['nonfinite32']:.0%}" for r in rows)
+            + "; its `reliable` flag: "
+            + ", ".join("yes" if r.metrics["reliable32"] else "no" for r in rows)
+            + "; its median relative_error: "
+            + ", ".join(f"{r.metrics['relative32']:.3g}" for r in rows)
+            + " (configurations in table order).",
         ]
     lines += ["", "## Across configurations", "", *across_lines(rows, have), ""]
     lines += reliability_lines(rows, have)
@@ -502,6 +529,7 @@ def across_lines(rows: list[Row], have: bool) -> list[str]:
     ]
     for xl, x, yl, y, sign in pairs:
         value = across(rows, x, y, sign)
+        xl, yl = xl.replace("|", "\\|"), yl.replace("|", "\\|")
         if value is None and not have:
             lines.append(f"| {xl} | {yl} | – (no proxy) |")
         elif value is not None:

@@ -282,6 +282,9 @@ def evaluate(setting, length, rep, linear, proxy, removed: list[int]) -> Row:
         "mean_abs_taylor": float((truth - exact).abs().mean()),
         "mean_abs_method": float((exact - linear).abs().mean()),
         "mean_abs_fd": float(fd.abs().mean()),
+        "median_abs_fd": float(fd.abs().median()),
+        "median_abs_error": float(error.abs().median()),
+        "median_abs_taylor": float((truth - exact).abs().median()),
         "fd_vs_taylor_pairs": spearman_flat(fd, truth - exact),
         "fd_vs_error_pairs": spearman_flat(fd, error),
         "fd_relative": float(relative_statistic(fd, exact).median()),
@@ -299,6 +302,8 @@ def evaluate(setting, length, rep, linear, proxy, removed: list[int]) -> Row:
         m |= split_ratios("proxy", second, truth - exact, first)
         m |= {
             "mean_abs_proxy": float(second.abs().mean()),
+            "median_abs_proxy": float(second.abs().median()),
+            "max_share": float(second.abs().amax(1).max() / second.abs().amax(1).sum()),
             "ratio": float(second.abs().mean() / error.abs().mean()),
             "proxy_vs_error_pairs": spearman_flat(second, error),
             "proxy_vs_error_query": float(spearman_per_query(second, error).mean()),
@@ -359,7 +364,11 @@ def write_table(rows: list[Row], info: dict, out: Path) -> Path:
         f"- Date: {datetime.date.today().isoformat()}",
         f"- Machine: {info['machine']}",
         f"- Wall time {info['total']:.0f} s (float64 replays {info['replay']:.0f} s"
-        + (" — read from the cache" if info["cached"] else "")
+        + (
+            f" — read from the cache, where they took {info['replay_original']:.0f} s"
+            if info["cached"]
+            else ""
+        )
         + f", captures and scoring {info['library']:.0f} s, "
         f"ε check {info['stability_time']:.0f} s).",
         f"- Model and corpus: the TSLOO setting (GPT-2 n_embd={base.n_embd}, n_layer="
@@ -455,6 +464,27 @@ def write_table(rows: list[Row], info: dict, out: Path) -> Path:
         )
     lines += [
         "",
+        "## Medians over the sample × query pairs",
+        "",
+        "The means above are dominated by a few pairs where the second-order term is huge; "
+        "the medians are not.",
+        "",
+        "| η | T | median \\|error\\| | median \\|Taylor part\\| | median \\|FD\\| "
+        "| median \\|E\\| | mean \\|E\\| / median \\|E\\| "
+        "| largest sample's share of Σ_i max_j \\|E\\| |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        m = r.metrics
+        med = m.get("median_abs_proxy")
+        lines.append(
+            f"| {r.lr:g} | {r.steps} | {m['median_abs_error']:.2e} "
+            f"| {m['median_abs_taylor']:.2e} | {m['median_abs_fd']:.2e} | {fmt(med)} "
+            f"| {fmt(None if med is None else m['mean_abs_proxy'] / med, '.3g')} "
+            f"| {fmt(m.get('max_share'), '.0%')} |"
+        )
+    lines += [
+        "",
         "## The first update",
         "",
         "Mean |second-order term| / mean |Taylor part|, for the removed samples in the first "
@@ -507,7 +537,9 @@ def across_lines(rows: list[Row], have: bool) -> list[str]:
         ("mean |E|", "mean_abs_proxy", "mean |measured error|", "mean_abs_error", 1.0),
         ("relative_error", "relative_error", "mean |error| / mean |Δ_true|", "rel_error", 1.0),
         ("relative_error", "relative_error", "−AdamW-influence Spearman", "spearman", -1.0),
+        ("median |E|", "median_abs_proxy", "median |measured error|", "median_abs_error", 1.0),
         ("mean |FD|", "mean_abs_fd", "mean |measured error|", "mean_abs_error", 1.0),
+        ("median |FD|", "median_abs_fd", "median |measured error|", "median_abs_error", 1.0),
         ("FD relative statistic", "fd_relative", "mean |error| / mean |Δ_true|", "rel_error", 1.0),
         ("FD relative statistic", "fd_relative", "−AdamW-influence Spearman", "spearman", -1.0),
         (
@@ -715,6 +747,7 @@ def run(smoke: bool, out: Path, cache: Path | None) -> Path:
         "replay": replay_time,
         "library": library_time,
         "cached": cached,
+        "replay_original": sum(r.metrics["replay_seconds"] for r in rows),
         "stability_time": stability_time,
         "stability": "; ".join(
             f"at η={lr:g}, T={s}, on the first {STABILITY_SAMPLES} removed samples, mean "

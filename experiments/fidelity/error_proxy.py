@@ -128,6 +128,66 @@ def replays(start, setting: Setting, data: Data, cache: Path | None) -> dict[str
     return result
 
 
+SWEEP_EPSILONS = (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
+
+
+def epsilon_sweep(start, setting: Setting, data: Data, row, linear, proxy) -> list[dict]:
+    """Central differences at shrinking ε for one removed sample of the first batch and one
+    outside it, on the first query, beside Δ_true, Δ_linear and E."""
+    first = row.scatter["first"]
+    picks = [k for k in (first.nonzero(), (~first).nonzero()) if len(k)]
+    base = replay(start, setting, data)
+    out = []
+    for k in [int(p[0]) for p in picks]:
+        i = data.removed[k]
+        entry = {
+            "sample": i,
+            "first": bool(first[k]),
+            "truth": float(row.scatter["error"][k, 0] + linear[k, 0]),
+            "linear": float(linear[k, 0]),
+            "proxy": None if proxy is None else float(proxy["second"][k, 0]),
+            "eps": [],
+        }
+        for eps in SWEEP_EPSILONS:
+            plus = replay(start, setting, data, i, 1.0 + eps)[0]
+            minus = replay(start, setting, data, i, 1.0 - eps)[0]
+            entry["eps"].append(
+                (eps, float(-(plus - minus) / (2 * eps)),
+                 float((plus + minus - 2 * base[0]) / (2 * eps**2)))
+            )  # fmt: skip
+        out.append(entry)
+    return out
+
+
+def sweep_lines(sweep: list[dict], rows: list) -> list[str]:
+    """The ε-by-ε table of :func:`epsilon_sweep`."""
+    if not sweep:
+        return []
+    lines = [
+        "",
+        "## One sample of the first batch, ε by ε",
+        "",
+        "Float64 central differences on the first query at the configuration of the scatter "
+        "plot, for one removed sample of the first batch and one outside it: −a'(0) ≈ "
+        "−(a(ε) − a(−ε)) / (2ε) (the removal estimate) and ½a''(0) ≈ (a(ε) + a(−ε) − 2a(0)) / "
+        "(2ε²). Where they settle as ε shrinks, a(w) is smooth and the pointwise derivatives "
+        "are what the removal sees; where they keep moving, the pointwise derivatives describe "
+        "a feature narrower than ε that the removal (w: 1 → 0) steps over.",
+        "",
+        "| sample | ε | −a'(0) | ½a''(0) |",
+        "|:--|--:|--:|--:|",
+    ]
+    for e in sweep:
+        where = "first batch" if e["first"] else "later batch"
+        for eps, d1, d2 in e["eps"]:
+            lines.append(f"| {e['sample']} ({where}) | {eps:g} | {d1:+.4g} | {d2:+.4g} |")
+        lines.append(
+            f"| {e['sample']}: Δ_true {e['truth']:+.4g}; AdamW-influence Δ_linear "
+            f"{e['linear']:+.4g}; proxy E {fmt(e['proxy'], '+.4g')} | | | |"
+        )
+    return lines
+
+
 def fd_stability(start, setting: Setting, data: Data, fd_second: torch.Tensor) -> dict:
     """``½a''(0)`` at the other ε on the first removed samples: relative deviation from ε."""
     n = min(STABILITY_SAMPLES, len(data.removed))
@@ -296,7 +356,7 @@ def evaluate(setting, length, rep, linear, proxy, removed: list[int]) -> Row:
         "replay_seconds": float(rep["seconds"]),
     }
     per_query = {"spearman": spearman_per_query(linear, truth)}
-    scatter = {"error": error, "fd": fd}
+    scatter = {"error": error, "fd": fd, "first": first}
     if proxy is not None:
         second = proxy["second"]
         m |= split_ratios("proxy", second, truth - exact, first)
@@ -321,12 +381,33 @@ def evaluate(setting, length, rep, linear, proxy, removed: list[int]) -> Row:
             "relative32": proxy["relative32"],
             "threshold": proxy["threshold"],
         }
+        m |= rest_metrics(truth, linear, second, ~first, threshold=proxy["threshold"])
         per_query |= {
             "relative_error": proxy["relative_error"],
             "reliable": proxy["reliable_queries"],
         }
         scatter["proxy"] = second
     return Row(setting.peak_lr, setting.num_steps, length, m, per_query, scatter)
+
+
+def rest_metrics(truth, linear, second, rest: torch.Tensor, threshold: float) -> dict:
+    """The statistics over the removed samples outside the first batch (``rest``)."""
+    truth, linear, second = truth[rest], linear[rest], second[rest]
+    error = truth - linear
+    relative = relative_statistic(second, linear)
+    return {
+        "rest_n": int(rest.sum()),
+        "rest_mean_abs_truth": float(truth.abs().mean()),
+        "rest_mean_abs_error": float(error.abs().mean()),
+        "rest_rel_error": float(error.abs().mean() / truth.abs().mean()),
+        "rest_mean_abs_proxy": float(second.abs().mean()),
+        "rest_ratio": float(second.abs().mean() / error.abs().mean()),
+        "rest_proxy_vs_error_pairs": spearman_flat(second, error),
+        "rest_proxy_vs_error_query": float(spearman_per_query(second, error).mean()),
+        "rest_spearman": float(spearman_per_query(linear, truth).mean()),
+        "rest_relative": float(relative.median()),
+        "rest_reliable": bool(relative.median() <= threshold),
+    }
 
 
 # ---------------------------------------------------------------------------- report
@@ -441,10 +522,16 @@ def write_table(rows: list[Row], info: dict, out: Path) -> Path:
         "",
         "## Where the error comes from, and the proxy's own maths",
         "",
-        "Taylor part = Δ_true − exact first-order (FD derivative): what a second-order term can "
-        "explain; method part = exact first-order − Δ_linear: AdamW-influence's own approximation "
-        "(it is not a Taylor error, and no second-order term models it). "
-        "FD = the float64 ½a''(0).",
+        "Taylor part = Δ_true − exact first-order (the float64 central difference at ε): what "
+        "a second-order term can explain; method part = exact first-order − Δ_linear: "
+        "AdamW-influence's own approximation (the Gauss–Newton training Hessian, the stand-ins "
+        "of the sweep; not a Taylor error, and no second-order term models it). FD = the float64 "
+        "½a''(0) at ε. Caveat: for the samples of the first batch, a(w) is not smooth on the "
+        "scale of ε (Adam's first update, g / (|g| + eps) per coordinate, is nearly a step in "
+        "the coordinates whose batch gradient is near 0): there the central difference is a "
+        "derivative smoothed over ±ε, the pointwise derivatives that AdamW-influence and E "
+        "compute are far larger, and the split is not Taylor vs approximation (see the "
+        "first-update table).",
         "",
         "| η | T | mean \\|Taylor part\\| | mean \\|method part\\| | mean \\|FD\\| "
         "| Spearman(FD, Taylor part) pairs | Spearman(FD, error) pairs | mean \\|E − FD\\| / "
@@ -524,11 +611,43 @@ def write_table(rows: list[Row], info: dict, out: Path) -> Path:
             + ", ".join(f"{r.metrics['relative32']:.3g}" for r in rows)
             + " (configurations in table order).",
         ]
+    lines += rest_lines(rows, have)
+    lines += sweep_lines(info["sweep"], rows)
     lines += ["", "## Across configurations", "", *across_lines(rows, have), ""]
     lines += reliability_lines(rows, have)
     path = out / "error_proxy.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def rest_lines(rows: list[Row], have: bool) -> list[str]:
+    """The per-configuration table over the removed samples outside the first batch."""
+    if not have:
+        return []
+    lines = [
+        "",
+        "## Without the first update's samples",
+        "",
+        "The same statistics over the removed samples that are not in the first batch "
+        "(relative_error here: |mean_i E| / rms_i(Δ_linear) over those samples, median over "
+        "queries; ≤ threshold = reliable).",
+        "",
+        "| η | T | samples | mean \\|Δ_true\\| | mean \\|error\\| | error / \\|Δ_true\\| "
+        "| mean \\|E\\| | E / error | Spearman(E, error) pairs | per query "
+        "| AdamW-infl. Spearman | relative_error | reliable |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        m = r.metrics
+        lines.append(
+            f"| {r.lr:g} | {r.steps} | {m['rest_n']} | {m['rest_mean_abs_truth']:.2e} "
+            f"| {m['rest_mean_abs_error']:.2e} | {m['rest_rel_error']:.2f} "
+            f"| {m['rest_mean_abs_proxy']:.2e} | {m['rest_ratio']:.2f} "
+            f"| {m['rest_proxy_vs_error_pairs']:+.2f} | {m['rest_proxy_vs_error_query']:+.2f} "
+            f"| {m['rest_spearman']:+.3f} | {m['rest_relative']:.3f} "
+            f"| {'yes' if m['rest_reliable'] else 'no'} |"
+        )
+    return lines
 
 
 def across_lines(rows: list[Row], have: bool) -> list[str]:
@@ -538,6 +657,27 @@ def across_lines(rows: list[Row], have: bool) -> list[str]:
         ("relative_error", "relative_error", "mean |error| / mean |Δ_true|", "rel_error", 1.0),
         ("relative_error", "relative_error", "−AdamW-influence Spearman", "spearman", -1.0),
         ("median |E|", "median_abs_proxy", "median |measured error|", "median_abs_error", 1.0),
+        (
+            "mean |E| (no batch 1)",
+            "rest_mean_abs_proxy",
+            "mean |error| (no batch 1)",
+            "rest_mean_abs_error",
+            1.0,
+        ),
+        (
+            "relative_error (no batch 1)",
+            "rest_relative",
+            "mean |error| / mean |Δ_true| (no batch 1)",
+            "rest_rel_error",
+            1.0,
+        ),
+        (
+            "relative_error (no batch 1)",
+            "rest_relative",
+            "−AdamW-influence Spearman (no batch 1)",
+            "rest_spearman",
+            -1.0,
+        ),
         ("mean |FD|", "mean_abs_fd", "mean |measured error|", "mean_abs_error", 1.0),
         ("median |FD|", "median_abs_fd", "median |measured error|", "median_abs_error", 1.0),
         ("FD relative statistic", "fd_relative", "mean |error| / mean |Δ_true|", "rel_error", 1.0),
@@ -569,27 +709,41 @@ def across_lines(rows: list[Row], have: bool) -> list[str]:
     return lines
 
 
+def split_line(rows: list[Row], flag: str, spearman: str, label: str) -> str:
+    """AdamW-influence's Spearman in the configurations a flag calls reliable, and in the rest."""
+    parts = []
+    for name, group in (
+        ("reliable", [r for r in rows if r.metrics[flag]]),
+        ("unreliable", [r for r in rows if not r.metrics[flag]]),
+    ):
+        if not group:
+            parts.append(f"{name}: none")
+            continue
+        values = [r.metrics[spearman] for r in group]
+        names = ", ".join(f"η={r.lr:g}/T={r.steps}" for r in group)
+        parts.append(
+            f"{name}: {len(group)} ({names}), AdamW-influence Spearman mean "
+            f"{sum(values) / len(values):+.3f}, range {min(values):+.3f} … {max(values):+.3f}"
+        )
+    return f"{label} — " + "; ".join(parts) + "."
+
+
 def reliability_lines(rows: list[Row], have: bool) -> list[str]:
     """Does ``reliable`` separate where AdamW-influence's Spearman degrades?"""
     if not have:
         return []
     lines = ["## The reliability flag", ""]
-    flagged = [r for r in rows if r.metrics["reliable"]]
-    other = [r for r in rows if not r.metrics["reliable"]]
-
-    def mean_spearman(group):
-        return sum(r.metrics["spearman"] for r in group) / len(group) if group else None
-
+    threshold = rows[0].metrics["threshold"]
     lines.append(
-        f"Configurations flagged reliable (median relative_error ≤ "
-        f"{rows[0].metrics['threshold']:g}): "
-        f"{len(flagged)} (AdamW-influence Spearman mean {fmt(mean_spearman(flagged), '+.3f')}, "
-        f"range {fmt(min((r.metrics['spearman'] for r in flagged), default=None), '+.3f')} … "
-        f"{fmt(max((r.metrics['spearman'] for r in flagged), default=None), '+.3f')}); "
-        f"the others: {len(other)} (mean {fmt(mean_spearman(other), '+.3f')}, range "
-        f"{fmt(min((r.metrics['spearman'] for r in other), default=None), '+.3f')} … "
-        f"{fmt(max((r.metrics['spearman'] for r in other), default=None), '+.3f')})."
-    )
+        split_line(rows, "reliable", "spearman",
+                   f"The library's flag (median relative_error ≤ {threshold:g}, all samples)")
+    )  # fmt: skip
+    lines += [
+        "",
+        split_line(rows, "rest_reliable", "rest_spearman",
+                   "The same threshold without the first batch's samples (their Spearman "
+                   "over those samples too)"),
+    ]  # fmt: skip
     spear = torch.cat([r.per_query["spearman"] for r in rows])
     reliable = torch.cat([r.per_query["reliable"] for r in rows])
     relative = torch.cat([r.per_query["relative_error"] for r in rows])
@@ -647,15 +801,26 @@ def write_plot(rows: list[Row], out: Path, have: bool, example: int) -> Path:
 
     ax = axes[1]
     r = rows[example]
-    pred = r.scatter["proxy" if have else "fd"].reshape(-1)
-    err = r.scatter["error"].reshape(-1)
-    ax.scatter(pred, err, s=5, alpha=0.5, label="E" if have else "FD")
-    if have:
-        ax.scatter(r.scatter["fd"].reshape(-1), err, s=5, alpha=0.3, color="C1", label="FD")
-    lim = float(torch.cat([pred, err]).abs().max()) * 1.05
+    first = r.scatter["first"]
+    err = r.scatter["error"]
+    for name, color in (("proxy", "C0"), ("fd", "C1")):
+        if name not in r.scatter:
+            continue
+        label = "E" if name == "proxy" else "FD"
+        ax.scatter(r.scatter[name][~first].reshape(-1), err[~first].reshape(-1), s=5,
+                   alpha=0.4, color=color, label=f"{label}, other samples")  # fmt: skip
+        ax.scatter(r.scatter[name][first].reshape(-1), err[first].reshape(-1), s=12,
+                   marker="x", color=color, label=f"{label}, first batch")  # fmt: skip
+    values = torch.cat(
+        [r.scatter[k].reshape(-1) for k in ("proxy", "fd", "error") if k in r.scatter]
+    )
+    lim = float(values.abs().max()) * 1.5
     ax.plot([-lim, lim], [-lim, lim], "k--", lw=0.8)
-    ax.set_xlabel("predicted second-order term")
-    ax.set_ylabel("measured error Δ_true − Δ_linear")
+    linthresh = float(err.abs().median())
+    ax.set_xscale("symlog", linthresh=linthresh)
+    ax.set_yscale("symlog", linthresh=linthresh)
+    ax.set_xlabel("predicted second-order term (symlog)")
+    ax.set_ylabel("measured error Δ_true − Δ_linear (symlog)")
     ax.set_title(f"pairs, η = {r.lr:g}, T = {r.steps}")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -667,7 +832,12 @@ def write_plot(rows: list[Row], out: Path, have: bool, example: int) -> Path:
                     color=colors[r.lr], marker=markers[r.steps], ms=7, mec="k",
                     capsize=2)  # fmt: skip
     if have:
-        ax.axvline(rows[0].metrics["threshold"], color="r", ls=":", label="threshold")
+        for r in rows:
+            ax.scatter(r.metrics["rest_relative"], r.metrics["rest_spearman"],
+                       facecolor="none", edgecolor=colors[r.lr], marker=markers[r.steps],
+                       s=50)  # fmt: skip
+        ax.scatter([], [], facecolor="none", edgecolor="gray", label="without batch-1 samples")
+        ax.axvline(rows[0].metrics["threshold"], color="r", ls=":", label="threshold 0.3")
         ax.legend(fontsize=7)
     ax.set_xscale("log")
     ax.set_xlabel("relative_error (median over queries)" if have else "FD relative statistic")
@@ -697,7 +867,7 @@ def run(smoke: bool, out: Path, cache: Path | None) -> Path:
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     have = proxy_available()
     print(f"error proxy available: {have}", flush=True)
-    rows, replay_time, library_time, cached = [], 0.0, 0.0, True
+    rows, replay_time, library_time, cached, sweep = [], 0.0, 0.0, True, []
     stability, stability_time = [], 0.0
     for lr in lrs:
         for length in lengths:
@@ -730,6 +900,10 @@ def run(smoke: bool, out: Path, cache: Path | None) -> Path:
             library_time += time.perf_counter() - t
             row = evaluate(setting, length, rep, linear, proxy, data.removed)
             rows.append(row)
+            if (length, lr) == ("one", lrs[1]):
+                t = time.perf_counter()
+                sweep = epsilon_sweep(start, setting, data, row, linear, proxy)
+                stability_time += time.perf_counter() - t
             m = row.metrics
             print(
                 f"η={lr:g} T={setting.num_steps}: |Δ| {m['mean_abs_truth']:.2e} |err| "
@@ -756,6 +930,7 @@ def run(smoke: bool, out: Path, cache: Path | None) -> Path:
             for lr, s, dev in stability
         ),
         "num_pretrain": len(pool_data.pretrain),
+        "sweep": sweep,
         "lrs": lrs,
         "lengths": lengths,
         "steps": steps,
@@ -765,7 +940,7 @@ def run(smoke: bool, out: Path, cache: Path | None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     table = write_table(rows, info, out)
     example = next(
-        (k for k, r in enumerate(rows) if r.lr == lrs[min(2, len(lrs) - 1)] and r.length == "one"),
+        (k for k, r in enumerate(rows) if r.lr == lrs[min(1, len(lrs) - 1)] and r.length == "one"),
         0,
     )
     plot = write_plot(rows, out, have, example)

@@ -819,6 +819,10 @@ def write_plot(rows: list[Row], out: Path, have: bool, example: int) -> Path:
     linthresh = float(err.abs().median())
     ax.set_xscale("symlog", linthresh=linthresh)
     ax.set_yscale("symlog", linthresh=linthresh)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(
+            matplotlib.ticker.SymmetricalLogLocator(base=100, linthresh=linthresh)
+        )
     ax.set_xlabel("predicted second-order term (symlog)")
     ax.set_ylabel("measured error Δ_true − Δ_linear (symlog)")
     ax.set_title(f"pairs, η = {r.lr:g}, T = {r.steps}")

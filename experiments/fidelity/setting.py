@@ -38,6 +38,11 @@ from quickstart import MAX_LEN, WordTokenizer  # noqa: E402
 from quickstart_corpus import CORPUS, QUERIES  # noqa: E402
 
 Batch = dict[str, torch.Tensor]
+# The cross-entropy runs in float32 whatever the model's dtype (``.float()`` on the logits),
+# so a float64 replay's losses and gradients carry float32 rounding at the logits. True
+# keeps a float64 model's loss in float64 (``error_proxy.py``: finite differences of the
+# loss); False (default) is what ``tsloo.py``'s committed float64 references used.
+FLOAT64_LOSS = False
 # Fine-tuned (and hooked) layers: every Conv1D of the transformer blocks and the LM head.
 HOOKED_LAYERS = [r"\.(c_attn|c_proj|c_fc)$", r"^lm_head$"]
 # The trainer setting also trains the LayerNorms (no weight decay on their weights).
@@ -56,6 +61,10 @@ class Setting:
     pretrain_lr: float = 3e-3
     pretrain_batch: int = 16
     num_finetune: int = 64
+    # Sentences held out of pretraining for fine-tuning (None: ``num_finetune``). A larger
+    # pool fine-tunes on its first ``num_finetune`` sentences with the pretraining split,
+    # hence the pretrained model, unchanged (shorter trajectories, ``error_proxy.py``).
+    finetune_pool: int | None = None
     finetune_batch: int = 4
     finetune_epochs: int = 1
     peak_lr: float = 1e-3
@@ -132,8 +141,11 @@ def make_data(setting: Setting) -> Data:
     extra_queries = max(0, setting.num_queries - len(QUERIES))
     query_text = [q for _, q in QUERIES][: setting.num_queries] + sentences[:extra_queries]
     rest = sentences[extra_queries:]
+    pool = setting.num_finetune if setting.finetune_pool is None else setting.finetune_pool
+    if pool < setting.num_finetune:
+        raise ValueError(f"finetune_pool {pool} < num_finetune {setting.num_finetune}")
     finetune_text = rest[: setting.num_finetune]
-    pretrain_text = rest[setting.num_finetune :]
+    pretrain_text = rest[pool:]
     tokenizer = WordTokenizer(sentences + [q for _, q in QUERIES])
     removed = sorted(
         random.Random(setting.removed_seed).sample(
@@ -177,7 +189,8 @@ def sequence_losses(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     ids, mask = batch["input_ids"], batch["attention_mask"]
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
     targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-    token_loss = F.cross_entropy(logits.transpose(1, 2).float(), targets, reduction="none")
+    logits = logits if FLOAT64_LOSS and logits.dtype == torch.float64 else logits.float()
+    token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     return token_loss.sum(1) / (targets != -100).sum(1)
 
 

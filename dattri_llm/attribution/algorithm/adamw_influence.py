@@ -649,9 +649,11 @@ def _warn_if_unreliable(proxy: ErrorProxy) -> None:
         warnings.warn(
             f"AdamW-influence's linear scores may be unreliable: the second-order term of "
             f"removing a sample is {proxy.median_relative_error:.3g} of the linear estimate's "
-            f"RMS (median over the queries; threshold {proxy.threshold}). Score a shorter "
-            "trajectory window (selected_training_steps / final_step) or a run with a smaller "
-            "learning rate",
+            f"RMS (median over the queries; threshold {proxy.threshold}). If a few samples of the "
+            "run's first update(s) carry it (error_proxy(per_sample=True) shows; Adam's first "
+            "step is nearly sign(g) per coordinate), score from a later step "
+            "(selected_training_steps); otherwise score a shorter trajectory window "
+            "(selected_training_steps / final_step) or a run with a smaller learning rate",
             UserWarning,
             stacklevel=3,
         )

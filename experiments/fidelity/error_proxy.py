@@ -252,14 +252,14 @@ def run_proxy(captured: Captured, dtype: torch.dtype):
 def error_proxy(captured: Captured) -> dict:
     """The library's error proxy in fine-tuning-row / query-column order (float64).
 
-    The sweep runs in float64; the default float32 sweep is run too, for its share of
-    non-finite ``E`` and its ``reliable`` flag.
+    The sweep runs in float64 (the library's default); a float32 sweep is run too, for
+    its share of non-finite ``E`` and its ``reliable`` flag.
     """
     t = time.perf_counter()
     proxy = run_proxy(captured, torch.float64)
     seconds = time.perf_counter() - t
-    default = run_proxy(captured, torch.float32)
-    nonfinite32 = float((~torch.isfinite(torch.as_tensor(default.second_order))).double().mean())
+    single = run_proxy(captured, torch.float32)
+    nonfinite32 = float((~torch.isfinite(torch.as_tensor(single.second_order))).double().mean())
     relative = torch.as_tensor(proxy.relative_error).double()
     row_of = {sample: r for r, sample in enumerate(captured.train_ids)}
     test_ids = list(proxy.test_ids)
@@ -281,8 +281,8 @@ def error_proxy(captured: Captured) -> dict:
         "threshold": float(proxy.threshold),
         "seconds": seconds,
         "nonfinite32": nonfinite32,
-        "reliable32": bool(default.reliable),
-        "relative32": float(torch.as_tensor(default.relative_error).double().median()),
+        "reliable32": bool(single.reliable),
+        "relative32": float(torch.as_tensor(single.relative_error).double().median()),
     }
 
 
@@ -602,8 +602,8 @@ def write_table(rows: list[Row], info: dict, out: Path) -> Path:
             f"difference {max(checks):.1e} over the configurations. Proxy seconds per "
             "configuration: " + ", ".join(f"{r.metrics['proxy_seconds']:.1f}" for r in rows) + ".",
             "",
-            "The proxy above is swept in float64 (`block_dtype=torch.float64`). With the "
-            "default float32 sweep, the share of non-finite E per configuration: "
+            "The proxy above is swept in float64 (`block_dtype=torch.float64`, the default). "
+            "With a float32 sweep, the share of non-finite E per configuration: "
             + ", ".join(f"{r.metrics['nonfinite32']:.0%}" for r in rows)
             + "; its `reliable` flag: "
             + ", ".join("yes" if r.metrics["reliable32"] else "no" for r in rows)

@@ -10,7 +10,9 @@ dataclass) and converts to one with :meth:`CaptureArguments.hook_config`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from dattri_llm.attribution.algorithm.stride import StrideConfig
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.index import INDEX_KINDS
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
@@ -21,6 +23,8 @@ __all__ = [
     "LESS_METHOD",
     "LIVE_METHODS",
     "METHODS",
+    "STRIDE_METHOD",
+    "STRIDE_OPTIONS",
     "TRAJECTORY_METHODS",
     "AttributeStoreArguments",
     "CaptureArguments",
@@ -40,11 +44,17 @@ __all__ = [
 
 TRAJECTORY_METHODS = ("trajectory_tracin", "dvemb", "adamw_influence")  # need `capture --train`
 LESS_METHOD = "less"  # needs `capture --train --less` (Adam-preconditioned train gradients)
+STRIDE_METHOD = "stride"  # no per-sample gradients: live `attribute` only, no store
 METHODS = (
     "graddot", "tracin", "gradcos", "kfac", "ekfac", "lorif", *TRAJECTORY_METHODS, LESS_METHOD,
+    STRIDE_METHOD,
 )  # fmt: skip
 FIT_METHODS = ("kfac", "ekfac", "lorif")  # the methods whose fit `dattri-llm fit` persists
-LIVE_METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac")  # `attribute` without --store
+LIVE_METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", STRIDE_METHOD)  # no --store
+# The StrideConfig fields the command line sets, each as the flag --stride_<field>.
+STRIDE_OPTIONS = (
+    "rank", "num_subsets", "subsets_per_example", "injection", "layer", "steps", "lasso_lambda",
+)  # fmt: skip
 
 
 @dataclass
@@ -96,7 +106,8 @@ class LiveModelArguments(ModelArguments):
         default=None,
         metadata={
             "help": "Live attribute (no --store): Hugging Face Hub id or local directory "
-            "(AutoModelForCausalLM), with --train_data and --query_data."
+            "(AutoModelForCausalLM), with --train_data and --query_data (stride: the only "
+            "way it runs)."
         },
     )
 
@@ -297,8 +308,8 @@ class AttributeStoreArguments(StoreArguments):
         default=None,
         metadata={
             "help": "Output directory of a dattri-llm capture run. Without it: live attribute "
-            "from --model, --train_data and --query_data (graddot, gradcos, kfac, ekfac; "
-            "no store written)."
+            "from --model, --train_data and --query_data (graddot, gradcos, kfac, ekfac, "
+            "stride; no store written). stride reads no store and runs live only."
         },
     )
 
@@ -314,7 +325,8 @@ class MethodArguments:
             + ", ".join(METHODS)
             + ". trajectory_tracin, dvemb and adamw_influence score the run of a "
             "`capture --train` (adamw_influence: a more negative score is more helpful); "
-            "less (LESS) the run of a `capture --train --less`."
+            "less (LESS) the run of a `capture --train --less`. stride (STRIDE) needs no "
+            "gradients and runs only as a live attribute (--model, --train_data, --query_data)."
         },
     )
     damping: float | None = field(
@@ -342,14 +354,75 @@ class MethodArguments:
             "is reused (no pass over the training store for the curvature)."
         },
     )
+    stride_rank: int | None = field(
+        default=None, metadata={"help": "stride: width r of the operators' shared basis (16)."}
+    )
+    stride_num_subsets: int | None = field(
+        default=None,
+        metadata={
+            "help": "stride: random training subsets K, one operator each (default: from the "
+            "training set's size, ceil(2 s ln(N / s)) with s = 10)."
+        },
+    )
+    stride_subsets_per_example: int | None = field(
+        default=None, metadata={"help": "stride: subsets d each training sample joins (10)."}
+    )
+    stride_injection: str | None = field(
+        default=None,
+        metadata={"help": "stride: logits | residual, where the operators act (logits)."},
+    )
+    stride_layer: str | None = field(
+        default=None,
+        metadata={
+            "help": "stride: name of the module whose output the operators read (default: "
+            "the decoder block at about 0.63 depth)."
+        },
+    )
+    stride_steps: int | None = field(
+        default=None, metadata={"help": "stride: optimizer steps of the operators' fit (1000)."}
+    )
+    stride_lasso_lambda: float | None = field(
+        default=None,
+        metadata={
+            "help": "stride: Lasso penalty relative to each query's largest useful one, in "
+            "[0, 1) (0.01); higher gives sparser scores."
+        },
+    )
 
     def __post_init__(self) -> None:
-        """``ValueError`` for an unknown method."""
+        """``ValueError`` for an unknown method, or STRIDE options that are bad or misplaced."""
         name = self.method.lower()
         self.method = name.replace("-", "_") if name.replace("-", "_") in METHODS else name
         self.method = self.method.replace("-", "")
         if self.method not in METHODS:
             raise ValueError(f"unknown --method {self.method!r}; choose one of {list(METHODS)}")
+        values = self._stride_values()
+        given = [f"--stride_{name}" for name, value in values.items() if value is not None]
+        if given and self.method != STRIDE_METHOD:
+            raise ValueError(
+                f"{', '.join(given)} set STRIDE's options; pass --method stride or drop them"
+            )
+        if self.method == STRIDE_METHOD:
+            self.stride_config()
+
+    def _stride_values(self) -> dict[str, Any]:
+        """``{StrideConfig field: the value of its --stride_ flag}`` (``None``: not given)."""
+        return {name: getattr(self, f"stride_{name}") for name in STRIDE_OPTIONS}
+
+    def stride_config(self) -> StrideConfig:
+        """The `StrideConfig` of the ``--stride_*`` flags (the library defaults elsewhere).
+
+        Raises:
+            ValueError: a value ``StrideConfig`` refuses, naming its flag.
+        """
+        try:
+            return StrideConfig().replace(**self._stride_values())
+        except (TypeError, ValueError) as err:
+            message = str(err)
+            flagged = message.split(" ", 1)[0] in STRIDE_OPTIONS
+            raise ValueError(
+                f"--stride_{message}" if flagged else f"bad --stride_* option: {message}"
+            ) from err
 
 
 @dataclass

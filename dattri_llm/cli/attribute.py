@@ -11,6 +11,12 @@ Live (``--model``, ``--train_data`` and ``--query_data`` instead of
 ``--store``): loads the model and data as ``capture`` does and runs the
 method's ``attribute(train, test)`` (Grad-Dot, Grad-Cos, K-FAC, EK-FAC), no
 store written; the same score as ``capture`` + ``attribute --store``.
+
+STRIDE (``--method stride``) runs live only: it captures no gradients, so it
+reads no store, makes no run plan and takes no layer selection; its
+``--stride_*`` options make its ``StrideConfig``. Its output is the same
+``AttributionScore`` files as any other method's, rows and queries named by the
+same sample identifiers.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from dattri_llm.attribution.algorithm.stride import StrideAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.cli.arguments import (
     LIVE_METHODS,
+    STRIDE_METHOD,
     AttributeStoreArguments,
     CaptureArguments,
     LiveDataArguments,
@@ -29,14 +38,15 @@ from dattri_llm.cli.arguments import (
     MethodArguments,
 )
 from dattri_llm.cli.capture import input_plan, load_inputs
+from dattri_llm.cli.data import TokenizedSet
 from dattri_llm.cli.errors import CLIError
-from dattri_llm.cli.methods import build_attributor
+from dattri_llm.cli.methods import build_attributor, check_not_stride
 from dattri_llm.cli.model import causal_lm_loss
 from dattri_llm.cli.plan import preflight, store_preflight
 from dattri_llm.cli.stores import capture_stores
 from dattri_llm.task import AttributionTask
 
-__all__ = ["check_source", "run_attribute"]
+__all__ = ["check_source", "check_stride_options", "run_attribute"]
 
 _CAPTURE_FLAGS = {"lorif": "", "less": " --train --less"}  # the capture a stored method needs
 
@@ -59,6 +69,7 @@ def check_source(
     }
     given = [flag for flag, value in live.items() if value is not None]
     if store_args.store is not None:
+        check_not_stride(method_args.method, "attribute")
         if given:
             raise CLIError(
                 f"--store scores a capture and {', '.join(given)} a live run; give one of them"
@@ -76,6 +87,26 @@ def check_source(
             "and `attribute --store`"
         )
     return True
+
+
+def check_stride_options(capture_args: CaptureArguments, method_args: MethodArguments) -> None:
+    """``CLIError`` for options a STRIDE run cannot use: a layer selection or ``--fit``."""
+    if method_args.fit is not None:
+        raise CLIError(
+            "stride fits its operators within the attribute run; `dattri-llm fit` and --fit "
+            "serve kfac, ekfac and lorif (drop --fit)"
+        )
+    default = CaptureArguments()
+    selection = [
+        f"--{name}"
+        for name in ("linear_io", "param_grad", "capture_style", "proj_dim", "proj_style")
+        if getattr(capture_args, name) != getattr(default, name)
+    ]
+    if selection:
+        raise CLIError(
+            f"stride captures no gradients: drop {', '.join(selection)} "
+            "(--stride_layer picks the module its operators read)"
+        )
 
 
 def run_attribute(
@@ -132,9 +163,14 @@ def _live_score(
     quiet: bool,
     force: bool,
     final: Path | None,
-) -> Any:
+) -> AttributionScore:
     """The method's live ``attribute(train, test)`` over the model and data (no store)."""
+    if method_args.method == STRIDE_METHOD:
+        check_stride_options(capture_args, method_args)
     model, _tokenizer, _layers, sets = load_inputs(model_args, data_args, capture_args, quiet=quiet)
+    task = AttributionTask(loss_func=causal_lm_loss, model=model)
+    if method_args.method == STRIDE_METHOD:
+        return _stride_score(args, task, sets, method_args, quiet)
     plan = input_plan(model, sets, capture_args, method_args.method, args)
     preflight(
         "attribute",
@@ -146,7 +182,6 @@ def _live_score(
         quiet=quiet,
         reuses_fit=method_args.fit is not None,
     )
-    task = AttributionTask(loss_func=causal_lm_loss, model=model)
     attributor, options = build_attributor(args, method_args, task=task)
     return attributor.attribute(
         sets["train"].samples,
@@ -154,4 +189,25 @@ def _live_score(
         hook_config=capture_args.hook_config(),
         verbose=not quiet,
         **options,
+    )
+
+
+def _stride_score(
+    args: AttributionArguments,
+    task: AttributionTask,
+    sets: dict[str, TokenizedSet],
+    method_args: MethodArguments,
+    quiet: bool,
+) -> AttributionScore:
+    """STRIDE's live score, its rows and queries named by the sets' identifiers.
+
+    STRIDE hashes every tensor of a sample (its labels too); the command line
+    names a sample by its model inputs, as the gradient methods' rows are
+    named. Both list the samples in file order, so the names are swapped in
+    place and the output matches the other methods' (and a capture's) ids.
+    """
+    attributor = StrideAttributor(args, task=task, config=method_args.stride_config())
+    score = attributor.attribute(sets["train"].samples, sets["query"].samples, verbose=not quiet)
+    return dataclasses.replace(
+        score, row_train_ids=list(sets["train"].ids), test_ids=list(sets["query"].ids)
     )

@@ -34,6 +34,8 @@ dattri-llm capture   --model ./my-model --train_data train.jsonl --query_data qu
 dattri-llm top-k     --store ./trained --method adamw_influence --k 5 --output_dir ./top_adamw
 dattri-llm attribute --model ./my-model --train_data train.jsonl --query_data queries.jsonl \\
                      --method graddot --output_dir ./live_scores
+dattri-llm attribute --model ./my-model --train_data train.jsonl --query_data queries.jsonl \\
+                     --method stride --stride_steps 500 --output_dir ./stride_scores
 ```
 
 Every option is a flag (`--name value`; a boolean also as `--name` alone) and
@@ -100,9 +102,9 @@ What each command writes:
   the method keeps, the plan, `config.yaml`. Without `--store`, from `--model`,
   `--train_data` and `--query_data` (with the data and layer options of
   `capture`), it scores live (the method's `attribute(train, test)`; `graddot`,
-  `gradcos`, `kfac`, `ekfac`) and writes no store: the same score as `capture`
-  then `attribute --store`. Both `--store` and the live options, or neither, is
-  refused.
+  `gradcos`, `kfac`, `ekfac`, `stride`) and writes no store: the same score as
+  `capture` then `attribute --store`. Both `--store` and the live options, or
+  neither, is refused.
 * `top-k`: `top_k.json` and `top_k.txt` (each query's k best training samples,
   with their texts), `config.yaml`; `--format` picks which one is printed.
 * `report`: `report.html` (`write_token_report`): each query's top-k training
@@ -129,6 +131,24 @@ recorded learning rate (times the clip coefficient) of its step. Its rows are
 rescaled after the pass, so `top-k` and `report` rank
 `attribute_from_cache(...).top_k(k)` (the whole score) and `report` leaves its
 tokens unshaded. The plan counts a trajectory method and `less` as `graddot`.
+
+`stride` (`StrideAttributor`, STRIDE) needs no per-sample gradients: it fits
+one small steering operator per random training subset against the frozen
+model and recovers sparse scores with a Lasso (polarity +1, most scores exactly
+zero). It runs only as a live `attribute` (`--model`, `--train_data`,
+`--query_data`), fitting and scoring in the one run (it makes no run plan:
+there are no stores to predict); its settings are the
+`--stride_*` options (checked as a `StrideConfig`: a bad value is a usage
+error naming its flag), and the layer-selection options and `--fit` are
+refused. Its output is the same `scores.pt` / `metadata.json` as any
+`attribute` run, rows and queries named by the same sample identifiers, and
+`AttributionScore.load` reads it back. Every command that reads or plans a
+gradient store refuses it with the way to run it: `attribute --store`, `plan`,
+`fit` (its fit lives inside the attribute run), and `top-k` and `report`,
+which rank a capture's stores only: rank a STRIDE run's output with
+`AttributionScore.load(<output_dir>).top_k(k)` and render it with
+`write_token_report`, whose page leaves the tokens unshaded and says so
+(STRIDE has no token-level scores).
 """
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.cli.arguments import MethodArguments, StoreArguments
 from dattri_llm.cli.errors import CLIError
-from dattri_llm.cli.methods import build_attributor, check_fit_method, fit_file
+from dattri_llm.cli.methods import build_attributor, check_fit_method, check_not_stride, fit_file
 from dattri_llm.cli.plan import store_preflight
 from dattri_llm.cli.stores import capture_stores
 
@@ -38,6 +38,7 @@ def run_fit(
     The run plan comes first: ``CLIError`` when the fit would not fit the free
     memory or disk, unless ``force``.
     """
+    check_not_stride(method_args.method, "fit")
     check_fit_method(method_args.method, "fit")
     if method_args.fit is not None:
         raise CLIError("--fit names a fit to reuse; `dattri-llm fit` writes one (drop --fit)")

@@ -22,7 +22,13 @@ from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInA
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.attribution.topk import TopK
-from dattri_llm.cli.arguments import FIT_METHODS, LESS_METHOD, TRAJECTORY_METHODS, MethodArguments
+from dattri_llm.cli.arguments import (
+    FIT_METHODS,
+    LESS_METHOD,
+    STRIDE_METHOD,
+    TRAJECTORY_METHODS,
+    MethodArguments,
+)
 from dattri_llm.cli.errors import CLIError
 from dattri_llm.cli.output import CONFIG_FILE, STORE_DIRS
 from dattri_llm.cli.stores import capture_config
@@ -32,6 +38,7 @@ __all__ = [
     "TRAJECTORY_KEYWORDS",
     "build_attributor",
     "check_fit_method",
+    "check_not_stride",
     "check_store_method",
     "fit_file",
     "rank_top_k",
@@ -48,6 +55,43 @@ TRAJECTORY_KEYWORDS: dict[str, dict[str, Any]] = {
     "dvemb": {"learning_rate": None, "loss_reduction": "sum", "propagation": "test"},
     "adamw_influence": {"loss_reduction": "sum", "propagation": "test"},
 }
+
+
+_STRIDE_LIVE = (
+    "run it live: `dattri-llm attribute --method stride --model M --train_data T --query_data Q`"
+)
+# Why each store-reading command refuses STRIDE, and what to run instead.
+_STRIDE_REFUSALS = {
+    "attribute": f"stride reads no gradient store; drop --store and {_STRIDE_LIVE}",
+    "fit": (
+        "stride fits its operators inside `dattri-llm attribute --method stride` (live); "
+        f"`dattri-llm fit` persists the fits of {', '.join(FIT_METHODS)} only"
+    ),
+    "top-k": (
+        "top-k ranks a capture's gradient stores and stride reads none; score with "
+        "`dattri-llm attribute --method stride` (live) and rank its output in Python: "
+        "AttributionScore.load(<its output_dir>).top_k(k)"
+    ),
+    "report": (
+        "report ranks a capture's gradient stores and stride reads none; score with "
+        "`dattri-llm attribute --method stride` (live) and render its output in Python: "
+        "write_token_report(path, AttributionScore.load(<its output_dir>), tokens) "
+        "(stride has no token-level scores: the tokens stay unshaded)"
+    ),
+    "plan": (
+        "plan predicts gradient stores and their scoring, and stride captures no gradients; "
+        f"{_STRIDE_LIVE}"
+    ),
+}
+
+
+def check_not_stride(method: str, command: str) -> None:
+    """``CLIError`` when ``method`` is stride and ``command`` would read or plan a store.
+
+    STRIDE keeps no per-sample gradients: only a live ``attribute`` runs it.
+    """
+    if method == STRIDE_METHOD:
+        raise CLIError(_STRIDE_REFUSALS[command])
 
 
 def fit_file(method: str) -> str:

@@ -32,6 +32,7 @@ from dattri_llm.cli.arguments import (
 )
 from dattri_llm.cli.data import TokenizedSet, load_records, tokenize
 from dattri_llm.cli.errors import CLIError
+from dattri_llm.cli.methods import check_not_stride
 from dattri_llm.cli.model import causal_lm_loss, load_config, load_model, load_tokenizer
 from dattri_llm.cli.stores import capture_arguments, captured_sets
 from dattri_llm.utils.memory import free_memory_bytes
@@ -280,7 +281,11 @@ def run_plan(
     *,
     quiet: bool,
 ) -> str:
-    """Plan into ``staging`` (``plan.txt``, ``plan.json``); return the text to print."""
+    """Plan into ``staging`` (``plan.txt``, ``plan.json``); return the text to print.
+
+    ``CLIError`` for stride, which captures no gradients (nothing to plan).
+    """
+    check_not_stride(method_args.method, "plan")
     from_config = plan_args.config_only or not has_weights(model_args.model)
     if plan_args.probe and from_config:
         raise CLIError(f"--probe needs the model's weights; {model_args.model} holds none")

@@ -10,6 +10,8 @@ cannot give token rows (a materialized or projected capture, or a method
 without them: the trajectory methods and less) gives an unshaded page that says
 why. LESS ranks ``attribute_from_cache``'s score (it cannot stream). ``--format text|json``
 also writes the top-k table (``top_k.txt`` / ``top_k.json``) and prints it.
+STRIDE reads no store and is refused (``write_token_report`` renders its
+``AttributionScore`` in Python, unshaded).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dattri_llm.cli.arguments import (
     StoreArguments,
 )
 from dattri_llm.cli.data import TokenizedSet
-from dattri_llm.cli.methods import build_attributor, rank_top_k
+from dattri_llm.cli.methods import build_attributor, check_not_stride, rank_top_k
 from dattri_llm.cli.model import load_tokenizer
 from dattri_llm.cli.stores import capture_arguments, capture_stores, captured_sets, sample_texts
 from dattri_llm.cli.topk import top_k_table, write_top_k
@@ -92,8 +94,10 @@ def run_report(
     """Write ``report.html`` (and a top-k table with ``--format``) into ``staging``.
 
     Returns the text to print: the table for ``text`` / ``json``, else a
-    one-line summary (and, when tokens are unshaded, why).
+    one-line summary (and, when tokens are unshaded, why). ``CLIError`` for
+    stride, which reads no store.
     """
+    check_not_stride(method_args.method, "report")
     train_dir, query_dir = capture_stores(store_args.store)
     run_args = dataclasses.replace(args, output_dir=str(staging))
     model_args, _capture, _config = capture_arguments(store_args.store)

@@ -19,7 +19,7 @@ from dattri_llm.attribution.index import AttributionIndex
 from dattri_llm.attribution.topk import TopK
 from dattri_llm.cli.arguments import MethodArguments, StoreArguments, TopKArguments
 from dattri_llm.cli.errors import CLIError
-from dattri_llm.cli.methods import build_attributor, rank_top_k
+from dattri_llm.cli.methods import build_attributor, check_not_stride, rank_top_k
 from dattri_llm.cli.stores import capture_stores, sample_texts
 
 __all__ = ["INDEX_METHODS", "index_top_k", "render_text", "run_top_k", "top_k_table", "write_top_k"]
@@ -36,7 +36,8 @@ def run_top_k(
     *,
     quiet: bool,
 ) -> str:
-    """Rank into ``staging``; return the text to print."""
+    """Rank into ``staging``; return the text to print (``CLIError`` for stride: no store)."""
+    check_not_stride(method_args.method, "top-k")
     train_dir, query_dir = capture_stores(store_args.store)
     attributor, options = build_attributor(
         dataclasses.replace(args, output_dir=str(staging)), method_args, store_args.store

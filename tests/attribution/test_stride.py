@@ -25,6 +25,8 @@ from dattri_llm.attribution.algorithm.stride.operators import (
     frozen_pass,
 )
 from dattri_llm.attribution.algorithm.stride.persistence import FIT_TENSOR_FILE
+from dattri_llm.attribution.report import render_token_report, write_token_report
+from dattri_llm.attribution.topk import TopK
 from dattri_llm.utils.hashing import hash_sample
 
 VOCAB, LENGTH = 32, 8
@@ -347,6 +349,35 @@ def test_attribute_scores_rows_and_persistence_round_trip(tmp_path):
     fresh = _attributor(tmp_path, model)
     fresh.load_fit(path, train_dataset=train)
     assert torch.equal(fresh.attribute(train, test).scores, score.scores)
+
+
+def test_token_report_of_a_stride_score_is_unshaded_and_says_so(tmp_path):
+    model, train, test = _model(), _data(12, 0), _data(2, 1)
+    score = _attributor(tmp_path, model).attribute(train, test)
+    tokens = {
+        row: [f"w{int(i)}" for i in sample["input_ids"]]
+        for row, sample in zip(score.row_train_ids, train)
+    }
+    ranked = score.top_k(3)
+    top = TopK(
+        test_ids=list(ranked),
+        train_ids=[[row for row, _ in rows] for rows in ranked.values()],
+        scores=torch.tensor([[value for _, value in rows] for rows in ranked.values()]),
+        polarity=score.polarity,
+        proponents=True,
+        algorithm=score.algorithm,
+    )
+    unshaded = "No token-level scores were given: the tokens are shown unshaded."
+    for ranking in (score, top):  # the score itself, and its top-k as a TopK
+        path = write_token_report(tmp_path / "report.html", ranking, tokens, k=3)
+        page = path.read_text(encoding="utf-8")
+        assert "Token attribution (STRIDE)" in page and unshaded in page
+        assert 'style="background' not in page  # no token is shaded
+        assert page.count("<section>") == 2 and page.count("<li>") == 6
+        assert page == render_token_report(ranking, tokens, k=3)
+    # STRIDE has one row per sample: it cannot shade tokens, and says how to get a page.
+    with pytest.raises(ValueError, match="leave token_score out for unshaded tokens"):
+        render_token_report(top, tokens, token_score=score)
 
 
 def test_crafted_pickle_is_refused_without_running_it(tmp_path):

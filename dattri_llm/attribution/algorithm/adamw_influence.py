@@ -55,6 +55,7 @@ import torch
 from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory.folds import ADAMW_OPTIMIZERS, AdamWFold
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics
+from dattri_llm.attribution.algorithm.trajectory.scope import RunScope
 from dattri_llm.attribution.algorithm.trajectory.second_order import (
     RELIABILITY_THRESHOLD,
     ErrorProxy,
@@ -395,6 +396,33 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
     def _fold(run: RunDynamics) -> AdamWFold:
         return AdamWFold(amsgrad=run.recorded and 1.0 in run.group_settings("amsgrad"))
 
+    def _recorded_run(
+        self,
+        train_source: object,
+        test_source: object,
+        dynamics: object,
+        selected_training_steps: Iterable[int] | None,
+        final_step: int | None,
+    ) -> tuple[GradientStorageManager, Mapping[int, dict], RunScope, AdamWFold]:
+        """``(test store, dynamics entries, run scope, checked fold)`` of a scoring call.
+
+        Raises:
+            ValueError: an empty test source, a swept update without dynamics,
+                or a recorded run the fold cannot model.
+        """
+        test_store = self.require_test_records(test_source)
+        entries = self.load_dynamics(train_source, dynamics)
+        scope = self.run_scope(
+            train_source,
+            selected_training_steps=selected_training_steps,
+            final_step=final_step,
+            entries=entries,
+        )
+        _check_entries(entries, scope.swept)
+        fold = self._fold(scope.run)
+        fold.check_run(scope.run, scope.swept)
+        return test_store, entries, scope, fold
+
     # ------------------------------------------------------------------ entry points
     @keywords(extra=("cache_dir", "offload_interval", *_FROM_CACHE))
     def attribute(
@@ -466,17 +494,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         num_masks = check_num_masks(kwargs.pop("num_masks", 1))
         extra_meta = kwargs.pop("algorithm_meta", None) or {}
         with_proxy = bool(kwargs.pop("error_proxy", False))
-        test_store = self.require_test_records(test_source)
-        entries = self.load_dynamics(train_source, dynamics)
-        scope = self.run_scope(
-            train_source,
-            selected_training_steps=selected_training_steps,
-            final_step=final_step,
-            entries=entries,
+        test_store, entries, scope, fold = self._recorded_run(
+            train_source, test_source, dynamics, selected_training_steps, final_step
         )
-        _check_entries(entries, scope.swept)
-        fold = self._fold(scope.run)
-        fold.check_run(scope.run, scope.swept)
         self._verbose = verbose
         try:
             result, test_ids = self.score_run(
@@ -590,17 +610,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
         check_counts(sample_block=sample_block, num_probes=num_probes)
         check_query_hessian(query_hessian)
-        test_store = self.require_test_records(test_source)
-        entries = self.load_dynamics(train_source, dynamics)
-        scope = self.run_scope(
-            train_source,
-            selected_training_steps=selected_training_steps,
-            final_step=final_step,
-            entries=entries,
+        test_store, entries, scope, fold = self._recorded_run(
+            train_source, test_source, dynamics, selected_training_steps, final_step
         )
-        _check_entries(entries, scope.swept)
-        fold = self._fold(scope.run)
-        fold.check_run(scope.run, scope.swept)
         if fold.amsgrad:
             raise NotImplementedError(
                 "error_proxy does not model amsgrad (the running maximum of v has no second "

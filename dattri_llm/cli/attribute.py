@@ -199,15 +199,6 @@ def _stride_score(
     method_args: MethodArguments,
     quiet: bool,
 ) -> AttributionScore:
-    """STRIDE's live score, its rows and queries named by the sets' identifiers.
-
-    STRIDE hashes every tensor of a sample (its labels too); the command line
-    names a sample by its model inputs, as the gradient methods' rows are
-    named. Both list the samples in file order, so the names are swapped in
-    place and the output matches the other methods' (and a capture's) ids.
-    """
+    """STRIDE's live score; the library names its rows and queries as the other methods do."""
     attributor = StrideAttributor(args, task=task, config=method_args.stride_config())
-    score = attributor.attribute(sets["train"].samples, sets["query"].samples, verbose=not quiet)
-    return dataclasses.replace(
-        score, row_train_ids=list(sets["train"].ids), test_ids=list(sets["query"].ids)
-    )
+    return attributor.attribute(sets["train"].samples, sets["query"].samples, verbose=not quiet)

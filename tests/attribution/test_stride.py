@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from pathlib import Path
@@ -24,7 +25,7 @@ from dattri_llm.attribution.algorithm.stride.operators import (
     default_layer,
     frozen_pass,
 )
-from dattri_llm.attribution.algorithm.stride.persistence import FIT_TENSOR_FILE
+from dattri_llm.attribution.algorithm.stride.persistence import FIT_META_FILE, FIT_TENSOR_FILE
 from dattri_llm.attribution.report import render_token_report, write_token_report
 from dattri_llm.attribution.topk import TopK
 from dattri_llm.utils.hashing import hash_sample
@@ -189,9 +190,9 @@ class _TinyLM(nn.Module):
         return self.lm_head(hidden)
 
 
-def _model(seed: int = 0, **sizes: int) -> nn.Module:
+def _model(seed: int = 0, cls: type[nn.Module] | None = None, **sizes: int) -> nn.Module:
     torch.manual_seed(seed)
-    return _TinyLM(**sizes)
+    return (cls or _TinyLM)(**sizes)
 
 
 def _data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -351,6 +352,109 @@ def test_attribute_scores_rows_and_persistence_round_trip(tmp_path):
     assert torch.equal(fresh.attribute(train, test).scores, score.scores)
 
 
+class _LabelledLM(_TinyLM):
+    """Accepts (and ignores) ``labels``, as a Hugging Face model's signature does."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None) -> torch.Tensor:
+        return super().forward(input_ids, attention_mask)
+
+
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
+def _loss_with_labels(model, batch):
+    """The model receives every field, labels included (as ``default_loss_func`` passes)."""
+    return _token_loss(model(**batch), batch["labels"])
+
+
+def _loss_without_labels(model, batch):
+    """The model receives its inputs only (the command line's ``causal_lm_loss``)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return _token_loss(model(**inputs), batch["labels"])
+
+
+def _labelled(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Samples with right padding and ``-100`` labels on it."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (LENGTH,), generator=g)
+        mask = (torch.arange(LENGTH) < LENGTH - i % 3).long()
+        samples.append(
+            {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        )
+    return samples
+
+
+@pytest.mark.parametrize("loss_func", [_loss_with_labels, _loss_without_labels])
+def test_ids_equal_the_gradient_attributors_on_labelled_data(tmp_path, loss_func):
+    pytest.importorskip("transformers")
+    from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+
+    model = _model(cls=_LabelledLM)
+    train, test = _labelled(10, 0), _labelled(3, 1)
+    for i in (2, 6, 9):  # 1 and 2 share the first batch; 6 and 9 sit in later ones
+        train[i] = dict(train[1])
+    test.append(dict(test[0]))  # a query repeated in the second batch
+    args = AttributionArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=3,
+    )
+    task = AttributionTask(loss_func, model)
+    config = StrideConfig(steps=2, subsets_per_step=3, probe_size=3, rank=4, seed=0)
+    stride = StrideAttributor(args, task=task, num_subsets=8, subsets_per_example=2, config=config)
+    score = stride.attribute(train, test)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the shared position embedding's broadcast warning
+        reference = TracInAttributor(args, task=task).attribute(train, test)
+    assert score.row_train_ids == reference.row_train_ids
+    assert score.test_ids == reference.test_ids
+    assert score.scores.shape == (10, 3)
+
+    # The hash covers what the objective hands the model; repeats are counted per batch.
+    fields = (
+        (lambda x: x)
+        if loss_func is _loss_with_labels
+        else (lambda x: {k: v for k, v in x.items() if k != "labels"})
+    )
+    repeated = hash_sample(fields(train[1]))
+    assert score.row_train_ids[0] == hash_sample(fields(train[0]))
+    assert [score.row_train_ids[i] for i in (1, 2, 6, 9)] == [
+        repeated, f"{repeated}#1", repeated, repeated
+    ]  # fmt: skip
+    assert score.test_ids == [hash_sample(fields(x)) for x in test[:3]]
+    assert stride.stride_fit.train_ids == score.row_train_ids
+
+
+def test_ids_need_no_working_forward_and_a_model_call(tmp_path):
+    # default_loss_func would pass labels the toy cannot take; the forward never runs.
+    model, train = _model(), _labelled(5, 0)
+    attributor = _attributor(tmp_path, model)
+    assert attributor.sample_ids(train) == [hash_sample(x) for x in train]
+    silent = StrideAttributor(
+        attributor.args, task=AttributionTask(lambda model, batch: torch.zeros(()), model)
+    )
+    with pytest.raises(ValueError, match="never called the model"):
+        silent.sample_ids(train)
+
+
+def test_a_fit_of_the_old_id_format_is_refused(tmp_path):
+    model, train = _model(), _data(12, 0)
+    attributor = _attributor(tmp_path, model)
+    attributor.fit(train)
+    path = attributor.save_fit(tmp_path / "fit")
+    meta = json.loads((path / FIT_META_FILE).read_text())
+    assert meta["format"] == 2
+    (path / FIT_META_FILE).write_text(json.dumps({**meta, "format": 1}))
+    with pytest.raises(ValueError, match=r"format 1.*labels included.*Fit again"):
+        _attributor(tmp_path, model).load_fit(path)
+
+
 def test_token_report_of_a_stride_score_is_unshaded_and_says_so(tmp_path):
     model, train, test = _model(), _data(12, 0), _data(2, 1)
     score = _attributor(tmp_path, model).attribute(train, test)
@@ -390,7 +494,7 @@ def test_crafted_pickle_is_refused_without_running_it(tmp_path):
     with pytest.raises(ValueError, match="plain-tensor STRIDE fit"):
         _attributor(tmp_path, model).load_fit(path)
     assert not marker.exists()
-    (path / "stride_fit.json").write_text('{"format": 1}')
+    (path / "stride_fit.json").write_text('{"format": 2}')
     with pytest.raises(ValueError, match="missing"):
         _attributor(tmp_path, model).load_fit(path)
 

@@ -62,8 +62,8 @@ def test_live_stride_writes_the_library_score(files, tmp_path):
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["method"] == "stride" and config["stride_rank"] == 2 and config["store"] is None
 
-    # The same numbers as the library on the same tokenized samples; rows and
-    # queries named as the command line names samples (their model inputs).
+    # The same numbers and ids as the library on the same tokenized samples; rows
+    # and queries named as the command line names samples (their model inputs).
     model, tokenizer = load_model(ModelArguments(model=str(files["model"])), quiet=True)
     data = DataArguments(train_data=str(files["train"]), query_data=str(files["query"]))
     sets = {
@@ -78,6 +78,8 @@ def test_live_stride_writes_the_library_score(files, tmp_path):
     expected = attributor.attribute(sets["train"].samples, sets["query"].samples)
     assert torch.equal(score.scores, expected.scores)
     assert score.row_train_ids == sets["train"].ids and score.test_ids == sets["query"].ids
+    # The library itself names them so (the command line swaps nothing).
+    assert expected.row_train_ids == sets["train"].ids and expected.test_ids == sets["query"].ids
     assert score.algorithm_meta == expected.algorithm_meta
 
     # A replay of the run's config gives the same score.

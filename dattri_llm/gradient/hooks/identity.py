@@ -5,11 +5,14 @@ settings of a :class:`HookManager`, picks the identity fields out of each root
 forward's arguments, and turns them into one identifier per sample at step end:
 the stringified ``sample_id_key`` values, or content hashes of the captured
 inputs, with ``#k`` suffixes on repeats (:func:`occurrence_ids`).
+:meth:`SampleIdentity.forward_inputs` takes the same fields from the model
+call of any function without running the model, so code that never captures
+gradients (``StrideAttributor``) names samples exactly as a capture does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,6 +25,14 @@ __all__ = ["MISSING", "SampleIdentity"]
 
 MISSING = object()
 """Marks an identity field absent from the model inputs."""
+
+
+class _ForwardReached(BaseException):
+    """Cuts a call short at its model forward (:meth:`SampleIdentity.forward_inputs`).
+
+    A ``BaseException``, so an ``except Exception`` inside the caller's
+    objective does not swallow it.
+    """
 
 
 class SampleIdentity:
@@ -68,9 +79,46 @@ class SampleIdentity:
                 }
         return inputs, sample_ids
 
+    def forward_inputs(
+        self, model: nn.Module, call: Callable[[], object]
+    ) -> tuple[dict[str, Any], Any]:
+        """:meth:`capture_inputs` of the first ``model`` forward inside ``call()``.
+
+        A forward pre-hook (with kwargs) on ``model`` reads the arguments as
+        :class:`HookManager`'s root pre-hook does, then stops ``call()`` there:
+        the model body never runs, so this costs no forward, needs no working
+        loss (a model without ``labels`` support, a loss that would fail) and
+        changes no state. Feed the result to :meth:`identifiers` (``gradient``
+        ``None``) for the ids a capture of the same call records. A call
+        that forwards ``model`` several times is read at its first forward,
+        where a capture keeps the last.
+
+        Raises:
+            ValueError: ``call()`` returned without calling ``model``.
+        """
+        captured: list[tuple[dict[str, Any], Any]] = []
+
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            captured.append(self.capture_inputs(args, kwargs))
+            raise _ForwardReached
+
+        handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
+        try:
+            call()
+        except _ForwardReached:
+            pass
+        finally:
+            handle.remove()
+        if not captured:
+            raise ValueError(
+                f"the objective never called the model ({type(model).__name__}), so its inputs "
+                "cannot identify the samples; call the task's model inside the objective"
+            )
+        return captured[0]
+
     def identifiers(
         self,
-        gradient: Gradient,
+        gradient: Gradient | None,
         inputs: dict[str, Any] | None,
         sample_ids: Any,
         model: nn.Module,
@@ -78,14 +126,17 @@ class SampleIdentity:
         """The step's per-sample identifiers in batch order, one per occurrence.
 
         ``inputs`` / ``sample_ids`` are what :meth:`capture_inputs` took from
-        the step's root forward (``model`` is named in the error for none).
+        the step's root forward (``model`` is named in the error for none);
+        ``gradient`` gives the batch size, which ``None`` infers from the inputs.
         Content hashes (or ``sample_id_key`` values) repeated within the step
         get ``#k`` suffixes (`occurrence_ids`), so every row keeps its own id.
         """
-        try:
-            batch_size: int | None = gradient.batch_size
-        except ValueError:
-            batch_size = None
+        batch_size: int | None = None
+        if gradient is not None:
+            try:
+                batch_size = gradient.batch_size
+            except ValueError:
+                batch_size = None
         if self.sample_id_key is not None:
             ids = sample_ids
             if ids is MISSING:

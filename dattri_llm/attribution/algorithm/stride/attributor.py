@@ -12,7 +12,7 @@ method and every choice.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,34 +34,14 @@ from dattri_llm.attribution.algorithm.stride.operators import (
 from dattri_llm.attribution.algorithm.stride.persistence import check_fit, load_fit, save_fit
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.gradient.hooks.identity import SampleIdentity
 from dattri_llm.gradient.stream.inputs import check_dataset
+from dattri_llm.gradient.stream.training import move_batch
 from dattri_llm.task import AttributionTask, as_task
-from dattri_llm.utils.hashing import hash_batch, occurrence_ids
 
-__all__ = ["StrideAttributor", "batch_ids"]
+__all__ = ["StrideAttributor"]
 
 _DESIGN_FIELDS = ("num_subsets", "subsets_per_example", "seed")
-
-
-def batch_ids(batch: Any) -> list[str]:
-    """Content ids of a collated batch, as the gradient attributors derive them.
-
-    The hash covers the batch's tensor fields (a dict's tensors by key; a
-    tuple's or list's as ``_arg0``, ``_arg1``, …), the inputs a default
-    ``model(**batch)`` forward receives.
-    """
-    if isinstance(batch, dict):
-        fields = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    elif isinstance(batch, (tuple, list)):
-        fields = {f"_arg{i}": v for i, v in enumerate(batch) if isinstance(v, torch.Tensor)}
-    else:
-        fields = {"_arg0": batch} if isinstance(batch, torch.Tensor) else {}
-    if not fields:
-        raise TypeError(
-            f"cannot identify the samples of a {type(batch).__name__} batch: it holds no tensor; "
-            "collate samples into tensors (pass collate_fn)"
-        )
-    return hash_batch(fields)
 
 
 class StrideAttributor:
@@ -69,12 +49,15 @@ class StrideAttributor:
 
     A score ``ŵ[i, q] > 0`` says training sample ``i`` lowers query ``q``'s
     loss (helpful; ``polarity = +1``). Rows are the training samples in
-    dataset order, each once (step ``0``), identified like the gradient
-    attributors' rows; most scores are exactly zero.
+    dataset order, each once (step ``0``), identified exactly as the gradient
+    attributors identify them under the same task (:meth:`sample_ids`), so
+    the scores join theirs and a capture's; most scores are exactly zero.
 
     Args:
         args: run settings (``per_device_eval_batch_size`` batches the
-            queries; ``output_dir`` receives the score when ``should_log``).
+            queries; ``per_device_train_batch_size`` and it group the samples
+            whose ids count repeats, as the gradient attributors batch them;
+            ``output_dir`` receives the score when ``should_log``).
         task: the :class:`AttributionTask` (its model, first checkpoint).
         layer, rank, num_subsets, subsets_per_example, injection: shortcuts
             for the :class:`StrideConfig` fields of the same names; ``None``
@@ -151,19 +134,53 @@ class StrideAttributor:
         """The device of the model's first parameter (CPU for a parameterless model)."""
         return next(model.parameters(), torch.empty(0)).device
 
-    def _loader(self, dataset: Any) -> DataLoader:
-        """Dataset-order batches of ``per_device_eval_batch_size`` items."""
+    def _loader(self, dataset: Any, batch_size: int | None = None) -> DataLoader:
+        """Dataset-order batches of ``batch_size`` (``per_device_eval_batch_size``) items."""
         return DataLoader(
             dataset,
-            batch_size=self.args.per_device_eval_batch_size,
+            batch_size=batch_size or self.args.per_device_eval_batch_size,
             shuffle=False,
             collate_fn=self.collate_fn,
         )
 
-    def sample_ids(self, dataset: Any) -> list[str]:
-        """The row ids of ``dataset``: content hashes in order, repeats suffixed ``#k``."""
+    def sample_ids(self, dataset: Any, *, queries: bool = False) -> list[str]:
+        """The ids of ``dataset``'s samples in dataset order, one per sample.
+
+        Exactly the ids a gradient attributor (``TracInAttributor`` and the
+        others) gives the same dataset under the same task, so STRIDE's scores
+        join theirs and a capture's. Those name a sample by the inputs its
+        model forward receives when the task's objective runs on its batch
+        (``loss_func`` for training samples, ``target_func`` with
+        ``queries``), content-hashed by ``HookManager``'s default
+        :class:`SampleIdentity`, repeats within a batch suffixed ``#k``. STRIDE's
+        own forward (``logits_fn``) may pass the model other fields (the
+        default drops ``labels``, which ``default_loss_func`` passes on), so
+        the ids are read from the task's objective instead, by that same
+        identity (:meth:`SampleIdentity.forward_inputs`): each batch goes to
+        the objective, which is stopped at the model's forward; the model does
+        not run, and the task's model is used as it is (no checkpoint loads).
+        Batches are as the gradient attributors form them
+        (``per_device_train_batch_size``, or ``per_device_eval_batch_size``
+        with ``queries``), since the ``#k`` suffixes count repeats per batch:
+        a sample repeated in another batch keeps its plain id.
+        """
         check_dataset(dataset, "dataset")
-        return occurrence_ids([i for batch in self._loader(dataset) for i in batch_ids(batch)])
+        model = self.task.model
+        objective = self.task.target_func if queries else self.task.loss_func
+        batch_size = (
+            self.args.per_device_eval_batch_size
+            if queries
+            else self.args.per_device_train_batch_size
+        )
+        identity = SampleIdentity(sample_id_key=None, sample_hash_fields=None)
+        device = self._device(model)
+        ids: list[str] = []
+        for batch in self._loader(dataset, batch_size):
+            batch = move_batch(batch, device)
+            with torch.no_grad():
+                inputs, keyed = identity.forward_inputs(model, lambda b=batch: objective(model, b))
+            ids.extend(identity.identifiers(None, inputs, keyed, model))
+        return ids
 
     # ------------------------------------------------------------------ fit
     def fit(self, train_dataset: Any, *, verbose: bool = False) -> StrideFit:
@@ -244,23 +261,32 @@ class StrideAttributor:
         """Each query's subset responses: ``(test_ids, u (Q, K))`` (no gradients).
 
         ``u[q, k] = L(o(x_q)) − L(õ^{(k)}(x_q))``, ``L`` the mean token loss;
-        positive when subset ``k``'s operator lowers the query loss.
+        positive when subset ``k``'s operator lowers the query loss. The
+        queries are the distinct :meth:`sample_ids` (``queries=True``) in
+        first-appearance order, as the gradient attributors' score columns: a
+        query repeated in another batch shares its id, and its first row.
         """
         fit = fit or self._require_fit("measure")
         check_dataset(test_dataset, "test_dataset")
         if len(test_dataset) == 0:
             raise ValueError("test_dataset is empty; pass at least one query")
+        ids = self.sample_ids(test_dataset, queries=True)
+        first = {identifier: row for row, identifier in reversed(list(enumerate(ids)))}
         model = self._model()
         _, module = resolve_layer(model, fit.layer)
         device = self._device(model)
-        ids: list[str] = []
         was_training = model.training
         model.eval()
         try:
             u = measure(
                 fit.operators.to(device),
                 model,
-                _recording_ids(self._loader(test_dataset), ids, verbose),
+                tqdm(
+                    self._loader(test_dataset),
+                    desc="STRIDE measure",
+                    unit="batch",
+                    disable=not verbose,
+                ),
                 layer=module,
                 logits_fn=self.logits_fn,
                 injection=fit.config.injection,
@@ -269,7 +295,10 @@ class StrideAttributor:
             )
         finally:
             model.train(was_training)
-        return occurrence_ids(ids), u
+        rows = sorted(first.values())
+        if len(rows) < len(ids):
+            u = u[torch.tensor(rows, device=u.device)]
+        return [ids[row] for row in rows], u
 
     def recover(
         self, measurements: torch.Tensor, *, fit: StrideFit | None = None, verbose: bool = False
@@ -339,10 +368,3 @@ class StrideAttributor:
         if self.args.should_log:
             score.save(self.args.output_dir)
         return score
-
-
-def _recording_ids(loader: DataLoader, ids: list[str], verbose: bool) -> Iterator[Any]:
-    """The loader's batches (in a progress bar when ``verbose``), their ids appended to ``ids``."""
-    for batch in tqdm(loader, desc="STRIDE measure", unit="batch", disable=not verbose):
-        ids.extend(batch_ids(batch))
-        yield batch

@@ -11,6 +11,12 @@ A fit directory holds
   the loss history.
 
 :func:`check_fit` refuses a fit for another training set or another design.
+
+Format 2 records the training ids the gradient attributors give the samples
+(the task objective's model inputs, ``StrideAttributor.sample_ids``); format 1
+hashed every tensor field of a sample (its ``labels`` too), so its ids and
+training hash mean something else, and :func:`load_fit` refuses it with a
+message to fit again rather than let its rows silently miss other scores.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ __all__ = ["FIT_FORMAT", "FIT_META_FILE", "FIT_TENSOR_FILE", "check_fit", "load_
 
 FIT_TENSOR_FILE = "stride_fit.pt"
 FIT_META_FILE = "stride_fit.json"
-FIT_FORMAT = 1
+FIT_FORMAT = 2
+_ID_CHANGE_FORMATS = {1: "hashed every tensor field of a sample, labels included"}
 _TENSOR_KEYS = ("basis", "coefficients", "members")
 _DESIGN_KEYS = ("num_examples", "num_subsets", "subsets_per_example", "seed")
 _META_KEYS = (
@@ -117,6 +124,14 @@ def load_fit(path: str | Path) -> StrideFit:
             raise FileNotFoundError(f"{root / name} not found; is {root} a STRIDE fit directory?")
     with (root / FIT_META_FILE).open(encoding="utf-8") as handle:
         meta = json.load(handle)
+    old = meta.get("format") if isinstance(meta, dict) else None
+    if isinstance(old, int) and old in _ID_CHANGE_FORMATS:
+        raise ValueError(
+            f"{root / FIT_META_FILE} is a STRIDE fit of format {old}, whose training ids "
+            f"{_ID_CHANGE_FORMATS[old]}; format {FIT_FORMAT} names samples by their model "
+            "inputs, as the gradient attributors do, so its rows would not match other scores "
+            "or the training set's ids. Fit again (StrideAttributor.fit) and save_fit"
+        )
     missing = [key for key in _META_KEYS if not isinstance(meta, dict) or key not in meta]
     if missing or meta.get("format") != FIT_FORMAT:
         raise ValueError(

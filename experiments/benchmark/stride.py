@@ -2,9 +2,10 @@
 
 Workload: a GPT-2 from config (2 blocks, ``n_embd`` wide, ``max(2, n_embd // 16)`` heads,
 vocabulary 1024, untied head, dropout 0), ``N`` random training sequences and 16 random
-query sequences of 32 tokens (seeded), float32, one torch thread, loss = sum over samples of
-each sequence's mean next-token loss. Two sweeps: ``N`` in ``--sizes`` at ``n_embd`` 64, and
-``n_embd`` in ``--widths`` at ``N`` = ``--width-n`` (default 256).
+query sequences of 16 tokens (seeded; the fidelity setting's length), float32, one torch
+thread, loss = sum over samples of each sequence's mean next-token loss. Two sweeps: ``N``
+in ``--sizes`` at ``n_embd`` 64, and ``n_embd`` in ``--widths`` at ``N`` = ``--width-n``
+(default 256).
 
 Methods, each a whole live run from the model and the raw sequences:
 
@@ -46,7 +47,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VOCAB, SEQ, N_QUERIES, K_PROJ, DAMPING = 1024, 32, 16, 32, 0.1
+VOCAB, SEQ, N_QUERIES, K_PROJ, DAMPING = 1024, 16, 16, 32, 0.1
 LAYERS = [r"\.(c_attn|c_proj|c_fc)$", r"^lm_head$"]
 
 
@@ -118,14 +119,15 @@ def arguments():
     )  # fmt: skip
 
 
-def run_stride(model, train, test, steps: int) -> dict:
+def run_stride(model, train, test, steps: int, injection: str = "logits") -> dict:
     """Fit, then measure + Lasso, timed apart."""
     from dattri_llm import AttributionTask, StrideAttributor, StrideConfig
 
     k = stride_k(len(train))
     config = StrideConfig(
-        num_subsets=k, subsets_per_example=6, rank=16, steps=steps, learning_rate=1e-3
-    )
+        num_subsets=k, subsets_per_example=6, rank=16, steps=steps, learning_rate=1e-3,
+        injection=injection,
+    )  # fmt: skip
     attributor = StrideAttributor(arguments(), task=AttributionTask(None, model), config=config)
     fit, fit_s, fit_mib = measured(lambda: attributor.fit(train))
 
@@ -156,15 +158,17 @@ def run_gradient(method: str, model, train, test) -> dict:
     return {"total": seconds, "mib": mib}
 
 
-def point(n: int, n_embd: int, steps: int) -> list[dict]:
-    """Every method at one ``(N, n_embd)``."""
+def point(n: int, n_embd: int, steps: int, residual: bool = False) -> list[dict]:
+    """Every method at one ``(N, n_embd)`` (with ``residual``, STRIDE's residual injection too)."""
     model = build_model(n_embd)
     train, test = build_data(n)
     rows = []
-    s = run_stride(model, train, test, steps)
-    peak = max(s["fit_mib"], s["query_mib"])
-    rows.append({"method": "STRIDE", "N": n, "n_embd": n_embd, **s,
-                 "total": s["fit"] + s["query"], "mib": peak})  # fmt: skip
+    for injection in ("logits", "residual") if residual else ("logits",):
+        s = run_stride(model, train, test, steps, injection)
+        peak = max(s["fit_mib"], s["query_mib"])
+        name = "STRIDE" + (" residual" if injection == "residual" else "")
+        rows.append({"method": name, "N": n, "n_embd": n_embd, **s,
+                     "total": s["fit"] + s["query"], "mib": peak})  # fmt: skip
     for method in ("Grad-Dot", "EK-FAC, LoGRA k=32"):
         rows.append({"method": method, "N": n, "n_embd": n_embd,
                      **run_gradient(method, model, train, test)})  # fmt: skip
@@ -230,7 +234,8 @@ def render(size_rows, width_rows, args, total: float) -> str:
         "gradient methods on every block `Conv1D` and the LM head, loss = sum over samples "
         "of each sequence's mean token loss.",
         f"- STRIDE: K from the sparsity rule (s = 10), d = 6, rank 16, logits injection, block "
-        f"at 0.625 depth, {args.steps} Adam steps; fit s = `fit(train)`, query s = "
+        f"at 0.625 depth, {args.steps} Adam steps (STRIDE residual: the residual injection at "
+        f"the same block, at N = {args.width_n} only); fit s = `fit(train)`, query s = "
         "`measure(queries)` + the Lasso. Grad-Dot and EK-FAC (LoGRA k_a = k_g = "
         f"{K_PROJ}, damping {DAMPING} × mean eigenvalue): one live `attribute(train, queries)` "
         "(gradients, factors, scores), so their whole time is under total s.",
@@ -274,7 +279,9 @@ def main(argv: list[str] | None = None) -> Path:
     warnings.simplefilter("ignore")
     t0 = time.perf_counter()
     warm_up(args.steps)
-    size_rows = [r for n in args.sizes for r in point(n, args.size_embd, args.steps)]
+    size_rows = [
+        r for n in args.sizes for r in point(n, args.size_embd, args.steps, n == args.width_n)
+    ]
     width_rows = []
     for n_embd in args.widths:
         reuse = [r for r in size_rows if r["N"] == args.width_n and r["n_embd"] == n_embd]

@@ -348,6 +348,11 @@ METHODS: dict[str, Method] = {
         (),
         "θ_T, no gradients: K=48, d=6, r=16, logits, 300 steps, λ=0.01·λ_max (fit included)",
     ),
+    "STRIDE (residual)": Method(
+        stride(STRIDE_CONFIG.replace(injection="residual")),
+        (),
+        "the same with the residual injection (stride_sweep.py's best variation)",
+    ),
 }
 NEEDS = {
     "AdamW-influence (full)": "AdamWInfluenceAttributor",

@@ -4,7 +4,8 @@ The default (``methods.STRIDE_CONFIG``): the output of block 1 (``transformer.h.
 library's 0.625-depth rule for 2 blocks), rank ``r = 16``, ``K = 48`` subsets with
 ``d = 6`` subsets per sample, the logits injection, 300 Adam steps at lr 1e-3,
 ``λ = 0.01 · λ_max``. Each other row changes ONE of these (not a full grid): the layer,
-the rank, the design ``(K, d)``, the injection, the fit's step count; the ``λ`` rows
+the rank, the design ``(K, d)``, the injection, the fit's step count or its learning
+rate; the ``λ`` rows
 re-run only the Lasso on the default fit's measurements ``u``.
 
 Every row is scored on the same ground truths as ``tsloo.py`` (leave-one-out replays of
@@ -56,6 +57,12 @@ def variations(default: StrideConfig, smoke: bool) -> list[tuple[str, StrideConf
              for kk, dd in designs]  # fmt: skip
     rows += [("injection residual", default.replace(injection="residual"))]
     rows += [(f"{default.steps // 3} steps", default.replace(steps=max(1, default.steps // 3)))]
+    rows += [
+        (
+            f"lr {default.learning_rate * 10:g}",
+            default.replace(learning_rate=default.learning_rate * 10),
+        )
+    ]
     return rows
 
 
@@ -79,7 +86,7 @@ def scored_config(attributor, data, train_ids, query_ids) -> dict:
         "scores": result.weights.T.double(),
         "fit_s": fit_s,
         "query_s": measure_s + lasso_s,
-        "fidelity": last["fidelity"],
+        "fidelity": f"{fit.history[0]['fidelity']:.3f} → {last['fidelity']:.3f}",
         "stability": last["stability"],
     }
 
@@ -167,9 +174,10 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         f"LDS: per-query Spearman over {info['count']} retrainings on random halves "
         "(`results/lds.md`, same subsets). Mean ± standard error over the queries.",
         "- fit s: the operator fit; query s: measuring every query plus the Lasso. Non-zero: "
-        "share of the N × Q scores the Lasso left non-zero. Fidelity / stability: the fit's "
-        "last-step loss terms (mean token loss of members under their subset's operator; KL "
-        "on non-members).",
+        "share of the N × Q scores the Lasso left non-zero. Fidelity: the fit's fidelity term "
+        "(mean token loss of the drawn members under their subset's operator) at the first "
+        "step (operators still the identity) → the last; stability: the last step's KL on "
+        "non-members.",
         "",
         "| variation | TSLOO Spearman | LDS | fit s | query s | non-zero | fidelity | stability |",
         "|:--|--:|--:|--:|--:|--:|--:|--:|",
@@ -182,7 +190,7 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         lines.append(
             f"| {r['label']} | {r['tsloo'][0]:+.3f} ± {r['tsloo'][1]:.3f} | "
             f"{r['lds'][0]:+.3f} ± {r['lds'][1]:.3f} | {num(r['fit_s'], '.1f')} | "
-            f"{num(r['query_s'], '.2f')} | {r['nonzero']:.0%} | {num(r['fidelity'], '.3f')} | "
+            f"{num(r['query_s'], '.2f')} | {r['nonzero']:.0%} | {r['fidelity'] or '–'} | "
             f"{num(r['stability'], '.4f')} |"
         )
     path = out / "stride_sweep.md"

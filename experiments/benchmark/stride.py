@@ -37,6 +37,7 @@ import ctypes
 import datetime
 import gc
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -194,6 +195,7 @@ def machine() -> str:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
         info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
         cpu = f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPU(s)"
+        cpu += f" (nproc {len(os.sched_getaffinity(0))})"
     except (OSError, subprocess.CalledProcessError):
         cpu = "lscpu unavailable"
     import transformers

@@ -170,7 +170,7 @@ def write_plot(rows: list[dict], out: Path) -> Path:
     markers = "osD^v<>pPX*hd"
     for k, row in enumerate(r for r in rows if r["tsloo"] is not None):
         ax.errorbar(row["tsloo"][0], row["lds"][0], xerr=row["tsloo"][1], yerr=row["lds"][1],
-                    fmt=markers[k % len(markers)], capsize=3,
+                    fmt=markers[k % len(markers)], capsize=3, color=plt.cm.tab20(k % 20),
                     label=f"{row['name']} ({row['lds'][0]:.2f})")  # fmt: skip
     ax.axhline(0, lw=0.8, color="gray")
     ax.axvline(0, lw=0.8, color="gray")

@@ -17,8 +17,12 @@ METHODS = [
     "LESS",
     "AdamW-influence",
     "DVEmb",
+    "STRIDE",
 ]
-SMALL = ["--epochs", "2", "--captured-epochs", "1", "--queries", "3", "--n-embd", "32"]
+SMALL = [
+    "--epochs", "2", "--captured-epochs", "1", "--queries", "3", "--n-embd", "32",
+    "--stride-steps", "30",
+]  # fmt: skip
 
 
 def load_tour():
@@ -48,7 +52,9 @@ def test_method_tour_scores_every_method_and_prints_one_table(capsys):
     # Chance is 1/5 per query. AdamW-influence's helpful samples score negative: taking its
     # largest score instead of its most negative one finds no same-topic proponent here.
     for method in METHODS:
-        if method != "LESS":  # LESS's rows follow the batch momentum (see the footnote)
+        # LESS's rows follow the batch momentum (see the footnote); STRIDE's short fit on a
+        # 2-epoch model is not asked to find topics (its range is checked above)
+        if method not in ("LESS", "STRIDE"):
             assert hits[method] >= 2, (method, out)
     assert "its top proponent is its most negative row" in out
     assert "peak MiB: rise of the process's peak resident set size" in out

@@ -17,9 +17,11 @@ ONCE, by hooks around the unchanged training loop:
 * ``queries/``: the query sentences' raw gradients at ``θ_T``.
 
 Then every method is scored from those stores on the same queries (no model
-needed) and one table is printed: seconds, peak memory, and for how many
-queries the top proponent (the training sentence with the most helpful score)
-shares the query's topic. Chance is about 1 in 5.
+needed), except STRIDE, which reads no gradient: it fits its subset operators
+against the final model and measures the queries through it. One table is
+printed: seconds, peak memory, and for how many queries the top proponent
+(the training sentence with the most helpful score) shares the query's topic.
+Chance is about 1 in 5.
 
 Every loss is a SUM over the batch of each sentence's mean token loss, so a
 captured per-sample gradient is that sentence's own gradient (README, "Loss
@@ -48,6 +50,7 @@ from dattri_llm import (
     AdamWInfluenceAttributor,
     AttributionArguments,
     AttributionScore,
+    AttributionTask,
     DVEmbAttributor,
     EKFACAttributor,
     GradientStorageManager,
@@ -57,6 +60,8 @@ from dattri_llm import (
     LESSAttributor,
     OffloadCallback,
     OptimizerStateCallback,
+    StrideAttributor,
+    StrideConfig,
     TracInAttributor,
     TrajectoryTracInAttributor,
     hash_sample,
@@ -88,16 +93,21 @@ class Tour:
     learning_rate: float = 1e-2
     weight_decay: float = 0.01
     damping: float = 0.1  # K-FAC / EK-FAC: relative to the mean eigenvalue
+    stride_steps: int = 100  # STRIDE's operator fit
     seed: int = 0
 
 
 @dataclass
 class Stores:
-    """The captured run: store directories, the Adam dynamics and the per-step learning rates."""
+    """The captured run: store directories, the Adam dynamics and the per-step learning rates;
+    the final model and the raw sentences for the model-based method (STRIDE)."""
 
     root: Path
     dynamics: Mapping[int, dict]
     lrs: dict[int, float]
+    model: torch.nn.Module | None = None
+    train_set: list[dict] | None = None
+    query_set: list[dict] | None = None
 
     @property
     def trajectory(self) -> Path:
@@ -229,6 +239,7 @@ def train_and_capture(
 
     frozen_pass(model, train_set, stores.final_train, tour.batch_size)
     frozen_pass(model, query_set, stores.queries, len(query_set))
+    stores.model, stores.train_set, stores.query_set = model.eval(), train_set, query_set
     return stores
 
 
@@ -303,6 +314,18 @@ def dvemb(stores: Stores, tour: Tour) -> AttributionScore:
     )
 
 
+def stride(stores: Stores, tour: Tour) -> AttributionScore:
+    """STRIDE: no gradients; ``K`` subset operators fitted against the model at ``θ_T`` (the
+    sparsity rule's ``K``, ``d = 6``, rank 8, a short fit), then a Lasso per query."""
+    config = StrideConfig(
+        subsets_per_example=6, rank=8, steps=tour.stride_steps, learning_rate=1e-2, seed=tour.seed
+    )
+    attributor = StrideAttributor(
+        arguments(tour, stores.root), task=AttributionTask(None, stores.model), config=config
+    )
+    return attributor.attribute(stores.train_set, stores.query_set)
+
+
 @dataclass(frozen=True)
 class Method:
     """A table entry: how to score and what it reads."""
@@ -320,6 +343,7 @@ METHODS: dict[str, Method] = {
     "LESS": Method(less, "trajectory (preconditioned)"),
     "AdamW-influence": Method(adamw_influence, "trajectory + Adam moments"),
     "DVEmb": Method(dvemb, "trajectory"),
+    "STRIDE": Method(stride, "theta_T model (no gradients)"),
 }
 
 
@@ -404,7 +428,9 @@ def print_table(rows: list[Row], tour: Tour, capture_seconds: float) -> None:
         "theta_T: training gradients at the final weights; trajectory: the steps of the last "
         f"{tour.captured_epochs} of {tour.epochs} epochs; queries at the final weights.",
         f"seconds: scoring from the stores only (training + the one capture: "
-        f"{capture_seconds:.1f} s); CPU, {torch.get_num_threads()} torch thread(s).",
+        f"{capture_seconds:.1f} s); CPU, {torch.get_num_threads()} torch thread(s). STRIDE's "
+        f"seconds are its whole run: the operator fit ({tour.stride_steps} steps) against the "
+        "final model, the query measurement and the Lasso.",
         MEMORY_NOTE + ".",
     ]
     print("\n" + "\n".join(f"* {note}" for note in notes))
@@ -419,6 +445,7 @@ def parse_args(argv: Sequence[str] | None) -> Tour:
     parser.add_argument("--captured-epochs", type=int, default=default.captured_epochs)
     parser.add_argument("--queries", type=int, default=default.num_queries)
     parser.add_argument("--n-embd", type=int, default=default.n_embd)
+    parser.add_argument("--stride-steps", type=int, default=default.stride_steps)
     args = parser.parse_args(argv)
     if not 1 <= args.captured_epochs <= args.epochs:
         parser.error("--captured-epochs must be between 1 and --epochs")
@@ -429,6 +456,7 @@ def parse_args(argv: Sequence[str] | None) -> Tour:
         captured_epochs=args.captured_epochs,
         num_queries=args.queries,
         n_embd=args.n_embd,
+        stride_steps=args.stride_steps,
     )
 
 

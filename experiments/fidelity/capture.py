@@ -244,3 +244,17 @@ def capture_per_step_queries(
     run_trajectory(model, setting, data, before_step=queries_at)
     check_same_end(model, reference, "the per-step query run")
     captured.seconds["per_step_queries"] = elapsed
+
+
+FINAL_MODEL = "final_model.pt"
+
+
+def capture_final_model(model: torch.nn.Module, captured: Captured) -> Path:
+    """Save the final model's state dict ``θ_T`` beside the stores (for model-based methods).
+
+    STRIDE needs the model, not gradients; it rebuilds it with ``setting.make_model`` and
+    these weights. Returns the file.
+    """
+    path = captured.root / FINAL_MODEL
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
+    return path

@@ -338,3 +338,31 @@ def query_losses(model: torch.nn.Module, data: Data) -> torch.Tensor:
     losses = sequence_losses(model, collate(data.queries)).double()
     model.train()
     return losses
+
+
+def run_subset_trajectory(
+    model: torch.nn.Module, setting: Setting, data: Data, kept: Sequence[int]
+) -> torch.optim.Optimizer:
+    """Fine-tune ``model`` in place along the fixed trajectory restricted to the samples ``kept``.
+
+    The same loop as :func:`run_trajectory` (same batches in the same order minus the
+    samples not kept, same schedule, same optimizer); a step whose batch keeps no sample
+    makes no update, as a removed sample's empty batch does there. With ``kept`` = all
+    samples but ``i`` it is the leave-one-out replay of ``i`` (tested bit for bit).
+    """
+    keep = set(kept)
+    params = finetuned_parameters(model, setting)
+    optimizer = adamw_for(setting)(params)
+    model.train()
+    for indices, lr in zip(batch_order(setting), lr_schedule(setting)):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        batch = [i for i in indices if i in keep]
+        if batch:
+            losses = sequence_losses(model, collate([data.finetune[i] for i in batch]))
+            batch_loss(losses, len(indices), setting).backward()
+            if setting.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, setting.max_grad_norm)
+            optimizer.step()
+    return optimizer

@@ -25,18 +25,25 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from capture import capture_all  # noqa: E402
-from methods import METHODS, NEEDS, exported, unavailable  # noqa: E402
+from methods import NEEDS, exported, unavailable  # noqa: E402
+from scoring import (  # noqa: E402
+    MEMORY_NOTE,
+    Scored,
+    capture_with_model,
+    fresh_model,
+    prepare,
+    score_matrices,
+)
 from setting import (  # noqa: E402
     SMOKE,
     TRAINER,
@@ -45,12 +52,11 @@ from setting import (  # noqa: E402
     Setting,
     finetuned_parameters,
     lr_schedule,
-    make_data,
-    make_model,
-    pretrain,
     query_losses,
     run_trajectory,
 )
+
+__all__ = ["fresh_model", "loo_ground_truth", "mean_se", "ranks", "spearman_per_query"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIRST_ORDER_EPSILON = 1e-4
@@ -80,17 +86,6 @@ def loo_ground_truth(
         run_trajectory(model, setting, data, removed=removed, removed_weight=weight)
         deltas.append(query_losses(model, data) - reference)
     return torch.stack(deltas) / (1.0 if epsilon is None else epsilon)
-
-
-def fresh_model(
-    start: dict[str, torch.Tensor], setting: Setting, data: Data, dtype: torch.dtype = torch.float32
-) -> torch.nn.Module:
-    """The pretrained model (weights ``start``) in ``dtype``, fine-tuned layers trainable."""
-    model = make_model(setting, data.vocab_size)
-    model.load_state_dict(start)
-    model.to(dtype)
-    finetuned_parameters(model, setting)
-    return model
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -132,6 +127,7 @@ def machine() -> str:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
         info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
         cpu = f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPU(s)"
+        cpu += f" (nproc {len(os.sched_getaffinity(0))})"
     except (OSError, subprocess.CalledProcessError):
         cpu = "lscpu unavailable"
     import transformers
@@ -192,18 +188,23 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         "mean ± standard error over queries.",
         "- Attribution seconds: scoring from the stores plus the captures only that method needs "
         "(the frozen pass at θ_T for single-checkpoint methods, the query passes at every "
-        "checkpoint for TracIn / LESS); training and the capture during training excluded (B.2).",
+        "checkpoint for TracIn / LESS); training and the capture during training excluded (B.2). "
+        "STRIDE needs no capture: its seconds are the operator fit on the fine-tuning samples at "
+        "θ_T, the query measurement and the Lasso.",
+        f"- {MEMORY_NOTE[0].upper()}{MEMORY_NOTE[1:]}.",
         "",
-        "| method | mean Spearman ± s.e. | attribution s | notes |",
-        "|:--|--:|--:|:--|",
+        "| method | mean Spearman ± s.e. | attribution s | peak MiB | notes |",
+        "|:--|--:|--:|--:|:--|",
     ]
     for row in rows:
         seconds = "–" if row["seconds"] is None else f"{row['seconds']:.2f}"
+        peak = "–" if row.get("peak_mib") is None else f"{row['peak_mib']:.1f}"
         lines.append(
-            f"| {row['name']} | {row['mean']:+.3f} ± {row['se']:.3f} | {seconds} | {row['note']} |"
+            f"| {row['name']} | {row['mean']:+.3f} ± {row['se']:.3f} | {seconds} | {peak} "
+            f"| {row['note']} |"
         )
     for name, reason in info["skipped"].items():
-        lines.append(f"| {name} | not run | – | {reason} |")
+        lines.append(f"| {name} | not run | – | – | {reason} |")
     if info["unexported"]:
         lines += [
             "",
@@ -271,32 +272,29 @@ def write_plot(rows: list[dict], out: Path, setting: Setting) -> Path:
 
 # ---------------------------------------------------------------------------- main
 def score_methods(captured, truth: torch.Tensor, removed: list[int]) -> list[dict]:
-    """Run every available registry entry; its fidelity and attribution time."""
-    rows = []
-    skipped = unavailable()
-    for name, method in METHODS.items():
-        if name in skipped:
-            continue
-        start = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            scores = method.score(captured)
-        seconds = time.perf_counter() - start + sum(captured.seconds[k] for k in method.charged)
-        mean, se = mean_se(spearman_per_query(scores[removed], truth))
-        rows.append({"name": name, "mean": mean, "se": se, "seconds": seconds, "note": method.note})
-        print(f"  {name:<24} {mean:+.3f} ± {se:.3f}  {seconds:7.2f} s", flush=True)
-    return rows
+    """Run every available registry entry; its fidelity, attribution time and peak memory."""
+    return [fidelity_row(scored, truth, removed) for scored in score_matrices(captured)]
+
+
+def fidelity_row(scored: Scored, truth: torch.Tensor, removed: list[int]) -> dict:
+    """A table row: the method's TSLOO Spearman (mean ± s.e. over queries) and its costs."""
+    mean, se = mean_se(spearman_per_query(scored.scores[removed], truth))
+    print(f"  {scored.name:<24} {mean:+.3f} ± {se:.3f}  {scored.seconds:7.2f} s", flush=True)
+    return {
+        "name": scored.name,
+        "mean": mean,
+        "se": se,
+        "seconds": scored.seconds,
+        "peak_mib": scored.peak_mib,
+        "note": scored.note,
+    }
 
 
 def run(setting: Setting, out: Path) -> Path:
     """The whole protocol; returns the table's path."""
     t0 = time.perf_counter()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    data = make_data(setting)
-    model = make_model(setting, data.vocab_size)
-    pretrain(model, setting, data)
-    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    prepared = prepare(setting)
+    data, start = prepared.data, prepared.start
     print(f"{setting.num_steps} steps, lrs {[f'{x:.2g}' for x in lr_schedule(setting)]}")
 
     t = time.perf_counter()
@@ -318,20 +316,11 @@ def run(setting: Setting, out: Path) -> Path:
         f"{first_order[0]:.3f} ({ceiling_time:.0f} s)"
     )
 
-    reference_model = fresh_model(start, setting, data)
-    run_trajectory(reference_model, setting, data)
-    again = fresh_model(start, setting, data)
-    run_trajectory(again, setting, data)
-    bitwise = all(
-        torch.equal(a, b) for a, b in zip(reference_model.parameters(), again.parameters())
-    )
-    reference = {k: v.detach().clone() for k, v in reference_model.named_parameters()}
+    reference_model, bitwise = prepared.reference_model, prepared.bitwise
 
     with tempfile.TemporaryDirectory(prefix="tsloo_") as work:
         t = time.perf_counter()
-        captured = capture_all(
-            lambda: fresh_model(start, setting, data), setting, data, Path(work), reference
-        )
+        captured = capture_with_model(prepared, Path(work))
         capture_time = time.perf_counter() - t
         rows = score_methods(captured, truth, data.removed)
         clip_coefficients = [captured.clip(step) for step in sorted(captured.dynamics)]

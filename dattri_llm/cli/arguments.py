@@ -35,6 +35,7 @@ __all__ = [
     "ModelArguments",
     "PlanArguments",
     "PlanDataArguments",
+    "RankSourceArguments",
     "ReportArguments",
     "RunArguments",
     "StoreArguments",
@@ -315,6 +316,29 @@ class AttributeStoreArguments(StoreArguments):
 
 
 @dataclass
+class RankSourceArguments(StoreArguments):
+    """What ``top-k`` and ``report`` rank: a capture's stores or an ``attribute`` run's score."""
+
+    store: str | None = field(
+        default=None,
+        metadata={
+            "help": "Output directory of a dattri-llm capture run: its gradient stores are "
+            "ranked with --method. Give --store or --scores."
+        },
+    )
+    scores: str | None = field(
+        default=None,
+        metadata={
+            "help": "Output directory of a dattri-llm attribute run (any method, stride "
+            "included): its saved score is ranked (AttributionScore.load(dir).top_k(k), its "
+            "polarity respected) and the texts come from the run's data and tokenizer. The "
+            "run's method scored it: --method and its options, --index and --shade do not "
+            "apply (tokens unshaded). Give --store or --scores."
+        },
+    )
+
+
+@dataclass
 class MethodArguments:
     """The attribution method and its options."""
 
@@ -568,12 +592,15 @@ COMMANDS: dict[str, tuple[str, tuple[type, ...]]] = {
         ),
     ),
     "top-k": (
-        "Each query's k best training samples from the stores of a capture run.",
-        (StoreArguments, MethodArguments, TopKArguments, AttributionArguments),
+        "Each query's k best training samples from the stores of a capture run, or from the "
+        "saved score of an attribute run (--scores).",
+        (RankSourceArguments, MethodArguments, TopKArguments, AttributionArguments),
     ),
     "report": (
-        "The token HTML report: each query's top training samples, tokens shaded by score.",
-        (StoreArguments, MethodArguments, ReportArguments, AttributionArguments),
+        "The token HTML report: each query's top training samples, tokens shaded by score "
+        "(from a capture's stores; an attribute run's saved score (--scores) gives unshaded "
+        "tokens).",
+        (RankSourceArguments, MethodArguments, ReportArguments, AttributionArguments),
     ),
 }
 """Command → (one-line description, its dataclasses besides `RunArguments`)."""

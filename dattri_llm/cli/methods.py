@@ -21,6 +21,7 @@ from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseInnerProductAttributor
+from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.topk import TopK
 from dattri_llm.cli.arguments import (
     FIT_METHODS,
@@ -43,6 +44,7 @@ __all__ = [
     "fit_file",
     "rank_top_k",
     "reused_fit",
+    "score_top_k",
 ]
 
 # The keywords of a trajectory method's *_from_cache calls on a `capture --train` run: the
@@ -68,15 +70,15 @@ _STRIDE_REFUSALS = {
         f"`dattri-llm fit` persists the fits of {', '.join(FIT_METHODS)} only"
     ),
     "top-k": (
-        "top-k ranks a capture's gradient stores and stride reads none; score with "
-        "`dattri-llm attribute --method stride` (live) and rank its output in Python: "
-        "AttributionScore.load(<its output_dir>).top_k(k)"
+        "top-k --store ranks a capture's gradient stores and stride reads none; score with "
+        "`dattri-llm attribute --method stride` (live) and rank its output: "
+        "`dattri-llm top-k --scores <its output_dir>`"
     ),
     "report": (
-        "report ranks a capture's gradient stores and stride reads none; score with "
-        "`dattri-llm attribute --method stride` (live) and render its output in Python: "
-        "write_token_report(path, AttributionScore.load(<its output_dir>), tokens) "
-        "(stride has no token-level scores: the tokens stay unshaded)"
+        "report --store ranks a capture's gradient stores and stride reads none; score with "
+        "`dattri-llm attribute --method stride` (live) and render its output: "
+        "`dattri-llm report --scores <its output_dir>` (stride has no token-level scores: "
+        "the tokens stay unshaded)"
     ),
     "plan": (
         "plan predicts gradient stores and their scoring, and stride captures no gradients; "
@@ -234,6 +236,11 @@ def rank_top_k(
             train_dir, query_dir, k, proponents=proponents, verbose=verbose, **options
         )
     score = attributor.attribute_from_cache(train_dir, query_dir, verbose=verbose, **options)
+    return score_top_k(score, k, proponents=proponents)
+
+
+def score_top_k(score: AttributionScore, k: int, *, proponents: bool) -> TopK:
+    """``score.top_k(k, proponents=...)`` (its polarity respected) as a :class:`TopK`."""
     ranking = score.top_k(k, proponents=proponents)
     return TopK(
         test_ids=list(ranking),

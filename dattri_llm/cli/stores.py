@@ -20,6 +20,8 @@ __all__ = [
     "capture_config",
     "capture_stores",
     "captured_sets",
+    "config_arguments",
+    "display_text",
     "is_trained",
     "sample_rows",
     "sample_texts",
@@ -54,7 +56,8 @@ def capture_stores(store: str) -> tuple[str, str]:
     return str(dirs[0]), str(dirs[1])
 
 
-def _arguments(cls: type, config: dict[str, Any], **override: Any) -> Any:
+def config_arguments(cls: type, config: dict[str, Any], **override: Any) -> Any:
+    """An instance of the dataclass ``cls`` from a recorded config's fields (``override`` wins)."""
     names = set(cls.__dataclass_fields__)
     return cls(**{**{k: v for k, v in config.items() if k in names}, **override})
 
@@ -62,7 +65,8 @@ def _arguments(cls: type, config: dict[str, Any], **override: Any) -> Any:
 def capture_arguments(store: str) -> tuple[ModelArguments, CaptureArguments, dict[str, Any]]:
     """The model and layer selection a capture ran with, and its whole resolved config."""
     config = capture_config(store)
-    return _arguments(ModelArguments, config), _arguments(CaptureArguments, config), config
+    model = config_arguments(ModelArguments, config)
+    return model, config_arguments(CaptureArguments, config), config
 
 
 def sample_rows(store: str, side: str) -> list[dict[str, Any]]:
@@ -75,15 +79,17 @@ def sample_rows(store: str, side: str) -> list[dict[str, Any]]:
 
 def sample_texts(store: str, side: str) -> dict[str, str]:
     """``{sample id: text}`` of one side (``{}`` when the capture wrote none)."""
-    texts = {}
-    for row in sample_rows(store, side):
-        text = row.get("text")
-        if "messages" in row:
-            text = " | ".join(f"{m['role']}: {m['content']}" for m in row["messages"])
-        elif text is None:
-            text = f"{row.get('prompt', '')} ▸ {row.get('completion', '')}"
-        texts[row["id"]] = text
-    return texts
+    return {row["id"]: display_text(row) for row in sample_rows(store, side)}
+
+
+def display_text(sample: dict[str, Any]) -> str:
+    """One line of a sample's text, prompt ▸ completion, or chat messages (role: content)."""
+    if "messages" in sample:
+        return " | ".join(f"{m['role']}: {m['content']}" for m in sample["messages"])
+    text = sample.get("text")
+    if text is None:
+        text = f"{sample.get('prompt', '')} ▸ {sample.get('completion', '')}"
+    return text
 
 
 def captured_sets(store: str, tokenizer: Any | None = None) -> dict[str, TokenizedSet]:
@@ -100,7 +106,7 @@ def captured_sets(store: str, tokenizer: Any | None = None) -> dict[str, Tokeniz
         if not rows:
             raise CLIError(f"--store {store}: {SAMPLE_FILES[side]} is missing or empty")
         prompted = "prompt" in rows[0]
-        data = _arguments(
+        data = config_arguments(
             DataArguments,
             config,
             text_field="text",

@@ -1,8 +1,11 @@
 """``dattri-llm top-k``: each query's k best training samples, as a table or JSON.
 
-Streams the training store once (``top_k_from_cache``, no score matrix; LESS,
-which rescales its rows after the pass, ranks ``attribute_from_cache``'s score), or
-with ``--index`` searches a FAISS index of it (``AttributionIndex``), and
+Streams the training store of a capture (``--store``) once (``top_k_from_cache``,
+no score matrix; LESS, which rescales its rows after the pass, ranks
+``attribute_from_cache``'s score), or with ``--index`` searches a FAISS index of
+it (``AttributionIndex``); or ranks the saved score of an ``attribute`` run
+(``--scores``, any method, stride included: ``AttributionScore.load(dir).top_k(k)``,
+texts from the run's data and tokenizer, :mod:`dattri_llm.cli.scores`). It
 writes ``top_k.json`` and ``top_k.txt`` to the output directory; the chosen
 ``--format`` is printed.
 """
@@ -17,27 +20,51 @@ from typing import Any
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.index import AttributionIndex
 from dattri_llm.attribution.topk import TopK
-from dattri_llm.cli.arguments import MethodArguments, StoreArguments, TopKArguments
+from dattri_llm.cli.arguments import MethodArguments, RankSourceArguments, TopKArguments
 from dattri_llm.cli.errors import CLIError
-from dattri_llm.cli.methods import build_attributor, check_not_stride, rank_top_k
+from dattri_llm.cli.methods import build_attributor, rank_top_k
+from dattri_llm.cli.scores import check_rank_source, rank_scores, scored_sets, set_texts
 from dattri_llm.cli.stores import capture_stores, sample_texts
 
-__all__ = ["INDEX_METHODS", "index_top_k", "render_text", "run_top_k", "top_k_table", "write_top_k"]
+__all__ = [
+    "INDEX_METHODS",
+    "Texts",
+    "index_top_k",
+    "render_text",
+    "run_top_k",
+    "store_texts",
+    "top_k_table",
+    "write_top_k",
+]
 
 INDEX_METHODS = ("graddot", "tracin", "gradcos")  # an index of the raw store, no fit
+Texts = tuple[dict[str, str], dict[str, str]]  # ({train id: text}, {query id: text})
+
+
+def store_texts(store: str) -> Texts:
+    """The texts of a capture's training and query samples."""
+    return sample_texts(store, "train"), sample_texts(store, "query")
 
 
 def run_top_k(
     staging: Path,
     args: AttributionArguments,
-    store_args: StoreArguments,
+    store_args: RankSourceArguments,
     method_args: MethodArguments,
     top_args: TopKArguments,
     *,
     quiet: bool,
 ) -> str:
-    """Rank into ``staging``; return the text to print (``CLIError`` for stride: no store)."""
-    check_not_stride(method_args.method, "top-k")
+    """Rank into ``staging``; return the text to print (``CLIError`` for stride with a store)."""
+    if check_rank_source(store_args.store, store_args.scores, method_args.method, "top-k"):
+        if top_args.index is not None:
+            raise CLIError(
+                "--index searches a capture's store and --scores ranks a saved score; drop --index"
+            )
+        top = rank_scores(store_args.scores, top_args.k, proponents=not top_args.opponents)
+        sets, _tokenizer = scored_sets(store_args.scores, top)
+        texts = (set_texts(sets["train"]), set_texts(sets["query"]))
+        return write_top_k(staging, top_k_table(top, texts), top_args.format)
     train_dir, query_dir = capture_stores(store_args.store)
     attributor, options = build_attributor(
         dataclasses.replace(args, output_dir=str(staging)), method_args, store_args.store
@@ -57,7 +84,7 @@ def run_top_k(
         verbose=not quiet,
         options=options,
     )
-    result = top_k_table(top, store_args.store)
+    result = top_k_table(top, store_texts(store_args.store))
     return write_top_k(staging, result, top_args.format)
 
 
@@ -89,7 +116,8 @@ def index_top_k(store: str, method: str, top_args: TopKArguments, *, quiet: bool
     index.set_search_params(nprobe=top_args.nprobe, ef_search=top_args.ef_search)
     found = index.search(query_dir, top_args.k, proponents=not top_args.opponents)
     algorithm = "GradCos" if normalize else "TracIn"
-    return _table(algorithm, not top_args.opponents, 1, top_args.k, found.as_dict(), store)
+    ranking = found.as_dict()
+    return _table(algorithm, not top_args.opponents, 1, top_args.k, ranking, store_texts(store))
 
 
 def write_top_k(directory: Path, result: dict[str, Any], fmt: str, both: bool = True) -> str:
@@ -103,9 +131,9 @@ def write_top_k(directory: Path, result: dict[str, Any], fmt: str, both: bool = 
     return as_json if fmt == "json" else as_text
 
 
-def top_k_table(top: TopK, store: str) -> dict[str, Any]:
+def top_k_table(top: TopK, texts: Texts) -> dict[str, Any]:
     """A ranking as plain data: per query its id and text, per row rank, id, score and text."""
-    return _table(top.algorithm, top.proponents, top.polarity, top.k, top.as_dict(), store)
+    return _table(top.algorithm, top.proponents, top.polarity, top.k, top.as_dict(), texts)
 
 
 def _table(
@@ -114,11 +142,10 @@ def _table(
     polarity: int,
     k: int,
     ranking: dict[str, list[tuple[str, float]]],
-    store: str | Path,
+    texts: Texts,
 ) -> dict[str, Any]:
     """:func:`top_k_table` of ``ranking`` (``{query id: [(train id, score), ...]}``)."""
-    train_text = sample_texts(str(store), "train")
-    query_text = sample_texts(str(store), "query")
+    train_text, query_text = texts
     return {
         "algorithm": algorithm,
         "proponents": proponents,

@@ -127,8 +127,8 @@ def test_stride_refuses_a_store_and_gradient_options(files, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("command", "message"),
     [
-        ("top-k", "AttributionScore.load(<its output_dir>).top_k(k)"),
-        ("report", "write_token_report"),
+        ("top-k", "`dattri-llm top-k --scores <its output_dir>`"),
+        ("report", "`dattri-llm report --scores <its output_dir>`"),
         ("fit", "`dattri-llm fit` persists the fits of kfac, ekfac, lorif only"),
     ],
 )

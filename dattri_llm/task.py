@@ -236,3 +236,75 @@ def _params_to_model_func(fn: Callable[[dict, object], torch.Tensor]) -> LossFun
 def as_task(task: object) -> AttributionTask:
     """Return ``AttributionTask.from_dattri(task)``."""
     return AttributionTask.from_dattri(task)
+
+
+# ---------------------------------------------------------------------------- output functions
+OutputFunc = Callable[[nn.Module, object], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _logits_of(model: nn.Module, batch: object, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, labels)`` of ``model`` on a dict batch carrying ``labels`` (labels not passed)."""
+    if not isinstance(batch, dict) or "labels" not in batch:
+        keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise ValueError(
+            f"{name} needs a dict batch with 'labels' (got {keys}); add the correct class "
+            "(classifier) or the token ids (causal LM) as 'labels', or pass your own output_func"
+        )
+    labels = batch["labels"]
+    output = model(**{k: v for k, v in batch.items() if k != "labels"})
+    logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+    if logits is None and isinstance(output, dict):
+        logits = output.get("logits")
+    if logits is None:
+        raise ValueError(
+            f"{name}: {type(model).__name__}(**batch) returned neither a tensor nor an output "
+            "with 'logits'; pass your own output_func"
+        )
+    return logits, labels
+
+
+def margin_and_weights(model: nn.Module, batch: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample TRAK margins and ``1 − p`` weights from one forward.
+
+    The margin of a prediction with correct-label probability ``p`` is
+    ``f = log(p / (1 − p)) = z_y − logsumexp_{c≠y} z_c`` (``z`` the logits).
+
+    * Classifier: logits ``(B, C)``, ``labels`` ``(B,)`` → ``f_i`` and ``1 − p_i``.
+    * Causal LM: logits ``(B, T, V)``, ``labels`` ``(B, T)`` (shifted inside: the
+      logits at ``t`` predict ``labels[t + 1]``; ``-100`` is ignored) → ``f_i`` is
+      the sum of the per-token margins of sequence ``i`` and its weight the mean
+      of ``1 − p_t`` over its counted tokens (``0`` for a sequence with none).
+
+    ``labels`` is removed from the batch before ``model(**batch)``.
+
+    Returns:
+        ``(margins (B,), weights (B,))``; the weights are detached.
+    """
+    logits, labels = _logits_of(model, batch, "margin_and_weights")
+    if logits.dim() == 3:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    elif logits.dim() != 2:
+        raise ValueError(
+            f"margin_and_weights expects logits (B, C) or (B, T, V), got {tuple(logits.shape)}"
+        )
+    labels = labels.to(logits.device)
+    valid = labels != -100
+    safe = labels.masked_fill(~valid, 0)
+    correct = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    others = logits.scatter(-1, safe.unsqueeze(-1), float("-inf")).logsumexp(-1)
+    margins = (correct - others) * valid
+    log_p = correct - logits.logsumexp(-1)
+    one_minus_p = (-torch.expm1(log_p)).detach() * valid
+    if margins.dim() == 2:
+        counts = valid.sum(-1)
+        return margins.sum(-1), one_minus_p.sum(-1) / counts.clamp_min(1)
+    return margins, one_minus_p
+
+
+def margin_loss(model: nn.Module, batch: object) -> torch.Tensor:
+    """``−Σ_i f_i``: the loss-like objective whose per-sample gradients are ``−∇f_i``.
+
+    ``f_i`` is the margin of :func:`margin_and_weights` (classifiers and HF
+    causal LMs, with ``labels`` in the batch); usable as a task's ``loss_func``.
+    """
+    return -margin_and_weights(model, batch)[0].sum()

@@ -13,6 +13,7 @@ from dattri_llm.attribution.algorithm import (
     TracInAttributor,
     TrajectoryAttributor,
     TrajectoryTracInAttributor,
+    TRAKAttributor,
 )
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor, BaseInnerProductAttributor
@@ -32,6 +33,7 @@ __all__ = [
     "LoRIFAttributor",
     "StrideAttributor",
     "StrideConfig",
+    "TRAKAttributor",
     "TracInAttributor",
     "TrajectoryAttributor",
     "TrajectoryTracInAttributor",

@@ -13,6 +13,7 @@ from dattri_llm.attribution.algorithm.stride import StrideAttributor, StrideConf
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.algorithm.trajectory import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
+from dattri_llm.attribution.algorithm.trak import TRAKAttributor
 
 __all__ = [
     "AdamWInfluenceAttributor",
@@ -24,6 +25,7 @@ __all__ = [
     "LoRIFAttributor",
     "StrideAttributor",
     "StrideConfig",
+    "TRAKAttributor",
     "TracInAttributor",
     "TrajectoryAttributor",
     "TrajectoryTracInAttributor",

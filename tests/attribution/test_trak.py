@@ -97,6 +97,7 @@ def test_classifier_matches_dense(tmp_path):
     attributor = TRAKAttributor(_args(tmp_path), task=AttributionTask(None, model), damping=0.3)
     score = attributor.attribute(train, test)
     expected = dense_trak(model, train, test, ("fc1", "fc2"), damping=0.3)
+    assert score.algorithm == "TRAK" and score.polarity == 1
     torch.testing.assert_close(score.agnostic_matrix()[1].double(), expected, rtol=1e-4, atol=1e-6)
 
 
@@ -188,3 +189,7 @@ def test_bad_options_refused(tmp_path):
         attributor.attribute(data, data, gradient_cache_residency="memory")
     with pytest.raises(ValueError, match="cannot score from gradient stores"):
         attributor.attribute_from_cache("a", "b")
+    with pytest.raises(ValueError, match="does not write gradient stores"):
+        attributor.cache(data, data)
+    with pytest.raises(ValueError, match="does not support top_k"):
+        attributor.top_k(data, 1, train_source=data)

@@ -184,6 +184,13 @@ class TRAKAttributor(LoRIFAttributor):
         finally:
             self._ensemble_size = 1
 
+    def cache(self, train_dataset: object, test_dataset: object, **cache_kwargs: Any) -> Any:
+        """Refused (``ValueError``): stores would hold no ``1 − p`` weights."""
+        raise ValueError(
+            "TRAKAttributor does not write gradient stores: TRAK's 1 - p weights come from the "
+            "live training forward; use attribute(train_dataset, test_dataset)."
+        )
+
     def attribute_from_cache(
         self,
         train_source: object,

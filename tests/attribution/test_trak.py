@@ -164,6 +164,9 @@ def test_causal_lm_matches_dense(tmp_path):
     score = attributor.attribute(train, test, hook_config=hooks)
     expected = dense_trak(model, train, test, layers, use_vmap=False)
     torch.testing.assert_close(score.agnostic_matrix()[1].double(), expected, rtol=1e-4, atol=1e-7)
+    tokens = attributor.attribute(train, test, hook_config=hooks, attribution_granularity="token")
+    summed = tokens.agnostic_matrix()[1].double()
+    torch.testing.assert_close(summed, expected, rtol=1e-4, atol=1e-7)
 
 
 def test_margin_and_weights_values():

@@ -10,7 +10,7 @@ attribution has LDS ``+1`` and random scores ``≈ 0``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,7 +211,7 @@ def lds(
     return mean_ci(spearman(predicted, -truth.losses), seed=seed)
 
 
-def _pick(metric: str):  # noqa: ANN202 - internal
+def _pick(metric: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     try:
         return _METRICS[metric]
     except KeyError:

@@ -72,7 +72,7 @@ def mean_ci(
         raise ValueError(f"level must be in (0, 1), e.g. 0.95; got {level!r}")
     if num_bootstrap < 1:
         raise ValueError(f"num_bootstrap must be >= 1, got {num_bootstrap!r}")
-    per_query = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    per_query = torch.as_tensor(values).detach().to("cpu", torch.float64).reshape(-1)
     finite = per_query[torch.isfinite(per_query)]
     if finite.numel() == 0:
         nan = float("nan")
@@ -225,7 +225,11 @@ def recall_at_k(
             raise ValueError(f"planted has {len(planted)} lists but there are {n_test} queries")
         mask = torch.zeros(n_train, n_test, dtype=torch.bool)
         for j, rows in enumerate(planted):
-            mask[list(rows), j] = True
+            rows = [int(r) for r in rows]
+            bad = [r for r in rows if not 0 <= r < n_train]
+            if bad:
+                raise ValueError(f"planted rows of query {j} must be in [0, {n_train}), got {bad}")
+            mask[rows, j] = True
     top = torch.sort(-helpful, dim=0, stable=True).indices[: min(k, n_train)]
     hits = mask.gather(0, top).sum(dim=0).to(torch.float64)
     total = mask.sum(dim=0).to(torch.float64)

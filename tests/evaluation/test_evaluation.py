@@ -173,6 +173,8 @@ def test_recall_at_k_on_planted_examples():
     assert recall_at_k(one, planted, 1).per_query.tolist() == pytest.approx([1 / 3] * N_QUERY)
     with pytest.raises(ValueError, match="k must be"):
         recall_at_k(w, planted, 0)
+    with pytest.raises(ValueError, match="planted rows of query 0"):
+        recall_at_k(w, [[N_TRAIN]] + planted[1:], 3)
 
 
 def test_interrupted_run_resumes_without_redoing_finished_retrains(tmp_path: Path):

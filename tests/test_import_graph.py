@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dattri_llm"
-LAYERS = {"cli": 3, "attribution": 2, "gradient": 1, "utils": 0}
+LAYERS = {"cli": 4, "evaluation": 3, "attribution": 2, "gradient": 1, "utils": 0}
 # Imports that may stay inside a function: optional dependencies, never our own modules.
 DEFERRABLE = ("transformers", "dattri.", "torch.distributed.fsdp", "faiss.", "datasets.")
 

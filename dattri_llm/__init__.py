@@ -50,6 +50,7 @@ _LAZY: dict[str, str] = {
     "KFACAttributor": "dattri_llm.attribution",
     "EKFACAttributor": "dattri_llm.attribution",
     "LoRIFAttributor": "dattri_llm.attribution",
+    "DataInfAttributor": "dattri_llm.attribution",
     "LESSAttributor": "dattri_llm.attribution",
     "TrajectoryAttributor": "dattri_llm.attribution",
     "DVEmbAttributor": "dattri_llm.attribution",

@@ -2,6 +2,7 @@
 
 from dattri_llm.attribution.algorithm import (
     AdamWInfluenceAttributor,
+    DataInfAttributor,
     DVEmbAttributor,
     EKFACAttributor,
     KFACAttributor,
@@ -25,6 +26,7 @@ __all__ = [
     "BaseAttributor",
     "BaseInnerProductAttributor",
     "DVEmbAttributor",
+    "DataInfAttributor",
     "EKFACAttributor",
     "KFACAttributor",
     "KroneckerAttributor",

@@ -1,6 +1,7 @@
 """One module per attribution method."""
 
 from dattri_llm.attribution.algorithm.adamw_influence import AdamWInfluenceAttributor
+from dattri_llm.attribution.algorithm.datainf import DataInfAttributor
 from dattri_llm.attribution.algorithm.dvemb import DVEmbAttributor
 from dattri_llm.attribution.algorithm.kronecker import (
     EKFACAttributor,
@@ -17,6 +18,7 @@ from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInA
 __all__ = [
     "AdamWInfluenceAttributor",
     "DVEmbAttributor",
+    "DataInfAttributor",
     "EKFACAttributor",
     "KFACAttributor",
     "KroneckerAttributor",

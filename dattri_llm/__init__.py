@@ -51,6 +51,7 @@ _LAZY: dict[str, str] = {
     "EKFACAttributor": "dattri_llm.attribution",
     "LoRIFAttributor": "dattri_llm.attribution",
     "DataInfAttributor": "dattri_llm.attribution",
+    "InfluenceFunctionAttributor": "dattri_llm.attribution",
     "LESSAttributor": "dattri_llm.attribution",
     "TrajectoryAttributor": "dattri_llm.attribution",
     "DVEmbAttributor": "dattri_llm.attribution",

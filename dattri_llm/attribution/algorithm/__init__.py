@@ -3,6 +3,7 @@
 from dattri_llm.attribution.algorithm.adamw_influence import AdamWInfluenceAttributor
 from dattri_llm.attribution.algorithm.datainf import DataInfAttributor
 from dattri_llm.attribution.algorithm.dvemb import DVEmbAttributor
+from dattri_llm.attribution.algorithm.influence import InfluenceFunctionAttributor
 from dattri_llm.attribution.algorithm.kronecker import (
     EKFACAttributor,
     KFACAttributor,
@@ -20,6 +21,7 @@ __all__ = [
     "DVEmbAttributor",
     "DataInfAttributor",
     "EKFACAttributor",
+    "InfluenceFunctionAttributor",
     "KFACAttributor",
     "KroneckerAttributor",
     "LESSAttributor",

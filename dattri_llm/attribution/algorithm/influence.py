@@ -17,6 +17,9 @@ negative of this score).
 The queries are solved once (``n_test`` solves, each a few dozen HVPs, every
 HVP a pass over ``hessian_batches``); training rows are read as stored.
 Meant for small models: more than ``max_params`` hooked parameters is refused.
+For the HVPs ``loss_func(model, batch)`` receives a callable standing in for
+the model (the model run with substituted parameters): it may call its model
+argument but not read attributes of it.
 """
 
 from __future__ import annotations

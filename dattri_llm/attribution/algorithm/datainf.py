@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from dattri_llm.attribution.algorithm.lorif import _layer_rows
 from dattri_llm.attribution.base import BaseInnerProductAttributor
-from dattri_llm.attribution.blocks import per_sample_layers
+from dattri_llm.attribution.blocks import layer_rows, per_sample_layers
 from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
@@ -129,7 +128,7 @@ class DataInfAttributor(BaseInnerProductAttributor):
         """Layer ``name``'s ``(B, D)`` rows of every training block (one pass)."""
         for _step, block, _ids in self._train_source:
             if name in per_sample_layers(block):
-                yield _layer_rows(self.transform_train_rep(block), name)
+                yield layer_rows(self.transform_train_rep(block), name)
 
     def prepare_scoring(self, train_source: GradientSource, test_source: GradientSource) -> None:
         """Keep the training source and fix each layer's ``λ`` (one pass when relative)."""
@@ -143,7 +142,7 @@ class DataInfAttributor(BaseInnerProductAttributor):
         sums: dict[str, list[float]] = {}  # layer -> [Σ‖g‖², rows, D]
         for _step, block, _ids in train_source:
             for name in per_sample_layers(block):
-                rows = _layer_rows(block, name)
+                rows = layer_rows(block, name)
                 entry = sums.setdefault(name, [0.0, 0, rows.shape[1]])
                 entry[0] += float(rows.double().square().sum())
                 entry[1] += rows.shape[0]
@@ -170,7 +169,7 @@ class DataInfAttributor(BaseInnerProductAttributor):
             return block
         return block.select_layers(layers).map_layers(
             lambda name, _value, _type: datainf_precondition(
-                self._train_rows(name), _layer_rows(block, name), self.layer_damping[name]
+                self._train_rows(name), layer_rows(block, name), self.layer_damping[name]
             )
         )
 

@@ -32,9 +32,8 @@ import torch
 from torch import nn
 
 from dattri_llm.attribution.algorithm.ihvp import conjugate_gradient, direct_solve, lissa
-from dattri_llm.attribution.algorithm.lorif import _layer_rows
 from dattri_llm.attribution.base import BaseInnerProductAttributor
-from dattri_llm.attribution.blocks import per_sample_layers
+from dattri_llm.attribution.blocks import layer_rows, per_sample_layers
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.arguments import AttributionArguments
@@ -207,7 +206,7 @@ class InfluenceFunctionAttributor(BaseInnerProductAttributor):
         """Queries solved against ``H + λI`` over all hooked layers jointly (dense ``(B, D_l)``)."""
         names = per_sample_layers(block)
         hvp, size = self.hvp_function(names)
-        rows = [_layer_rows(block, name) for name in names]
+        rows = [layer_rows(block, name) for name in names]
         joined = torch.cat(rows, dim=1)
         if joined.shape[1] != size:
             raise ValueError(

@@ -90,3 +90,28 @@ def test_precondition_rank_one_exact_and_errors():
         datainf_precondition([g[:, :3]], q, 0.3)
     with pytest.raises(ValueError, match="> 0"):
         DataInfAttributor(_args("/tmp/unused"), damping=-1.0)
+
+
+def test_live_attribute_equals_the_dense_formula(tmp_path):
+    pytest.importorskip("transformers")
+    from dattri_llm.task import AttributionTask
+
+    torch.manual_seed(0)
+    model = MLP().double()
+    train, test = mlp_data(5, 1, torch.float64), mlp_data(3, 2, torch.float64)
+
+    def as_dicts(data):
+        return [{"x": data[0][i], "y": data[1][i]} for i in range(data[0].shape[0])]
+
+    def dict_loss(m, batch):
+        return mlp_loss(m, (batch["x"], batch["y"]))
+
+    def rows(data):
+        samples = [tuple(t[i : i + 1] for t in data) for i in range(data[0].shape[0])]
+        return per_sample_rows(model, mlp_loss, samples, MLP_LAYERS)
+
+    attributor = DataInfAttributor(_args(tmp_path), task=AttributionTask(dict_loss, model))
+    score = attributor.attribute(as_dicts(train), as_dicts(test), gradient_cache_residency="memory")
+    _close(score.scores, dense_datainf_scores(rows(train), rows(test)), rtol=1e-5)
+    live = attributor.attribute(as_dicts(train), as_dicts(test))  # a frozen probe: reusable
+    _close(live.scores, score.scores.double(), rtol=1e-5)

@@ -90,3 +90,32 @@ def test_errors(tmp_path):
     )
     with pytest.raises(ValueError, match="max_params"):
         small.hvp_function(list(MLP_LAYERS))
+
+
+def test_live_attribute_equals_cache(tmp_path):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = MLP().double()
+    train, test = mlp_data(4, 1, torch.float64), mlp_data(2, 2, torch.float64)
+    tr = write_store(tmp_path / "train", model, MLP_LAYERS, mlp_loss, train, batch_sizes=[4])
+    te = write_store(tmp_path / "test", model, MLP_LAYERS, mlp_loss, test, batch_sizes=[2])
+
+    def dict_loss(m, batch):
+        return mlp_loss(m, (batch["x"], batch["y"]))
+
+    samples = [{"x": train[0][i : i + 1], "y": train[1][i : i + 1]} for i in range(4)]
+    attributor = InfluenceFunctionAttributor(
+        _args(tmp_path / "o"),
+        task=AttributionTask(dict_loss, model),
+        hessian_batches=samples,
+        solver="direct",
+        damping=DAMPING + 5.0,
+    )
+    cached = attributor.attribute_from_cache(tr, te)
+    as_dicts = [{"x": train[0][i], "y": train[1][i]} for i in range(4)]
+    queries = [{"x": test[0][i], "y": test[1][i]} for i in range(2)]
+    live = attributor.attribute(as_dicts, queries)  # through a memory store
+    with pytest.raises(ValueError, match="gradient_cache_residency"):
+        attributor.attribute(as_dicts, queries, gradient_cache_residency=None)
+    scale = cached.scores.abs().max().item()
+    torch.testing.assert_close(live.scores, cached.scores, rtol=1e-5, atol=1e-5 * scale)

@@ -19,7 +19,9 @@ HVP a pass over ``hessian_batches``); training rows are read as stored.
 Meant for small models: more than ``max_params`` hooked parameters is refused.
 For the HVPs ``loss_func(model, batch)`` receives a callable standing in for
 the model (the model run with substituted parameters): it may call its model
-argument but not read attributes of it.
+argument but not read attributes of it. ``attribute`` collects both sides
+into stores first (``gradient_cache_residency``, ``"memory"`` by default) so
+the HVPs run on a model free of capture hooks.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from torch import nn
 from dattri_llm.attribution.algorithm.ihvp import conjugate_gradient, direct_solve, lissa
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.attribution.blocks import layer_rows, per_sample_layers
+from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.arguments import AttributionArguments
+    from dattri_llm.attribution.score import AttributionScore
     from dattri_llm.gradient.model.container import Gradient
 
 __all__ = ["SOLVERS", "InfluenceFunctionAttributor"]
@@ -217,3 +221,36 @@ class InfluenceFunctionAttributor(BaseInnerProductAttributor):
         solved = self.solve(hvp, joined.to(torch.float64)).to(joined.dtype)
         pieces = dict(zip(names, torch.split(solved, [r.shape[1] for r in rows], dim=1)))
         return block.select_layers(names).map_layers(lambda name, _v, _t: pieces[name])
+
+    @keywords()
+    def attribute(
+        self,
+        train_dataset: object,
+        test_dataset: object,
+        *,
+        hook_config: Any = None,
+        verbose: bool = False,
+        loop_over_test: bool = False,
+        gradient_cache_residency: str | None = "memory",
+        attribution_granularity: str = "instance",
+    ) -> AttributionScore:
+        """Collect both sides into stores of ``gradient_cache_residency``, then score them.
+
+        The HVPs run the model, which must be free of capture hooks then: the
+        live path (``gradient_cache_residency=None``) is refused.
+        """
+        if gradient_cache_residency is None:
+            raise ValueError(
+                "InfluenceFunctionAttributor runs Hessian-vector products on the model, which "
+                "the live path keeps hooked for capture; pass gradient_cache_residency="
+                "'memory' (the default), 'tiered' or 'disk'."
+            )
+        return super().attribute(
+            train_dataset,
+            test_dataset,
+            hook_config=hook_config,
+            verbose=verbose,
+            loop_over_test=loop_over_test,
+            gradient_cache_residency=gradient_cache_residency,
+            attribution_granularity=attribution_granularity,
+        )

@@ -66,6 +66,8 @@ def test_scores_equal_dense_datainf_formula(tmp_path, damping):
     score = DataInfAttributor(_args(tmp_path / "o"), damping=damping).attribute_from_cache(tr, te)
     _close(score.scores, dense_datainf_scores(train_rows, test_rows, damping))
     assert score.polarity == 1 and score.algorithm == "DataInf"
+    with pytest.raises(ValueError, match="loop_over_test=False"):
+        DataInfAttributor(_args(tmp_path / "l")).attribute_from_cache(tr, te, loop_over_test=True)
 
 
 def test_single_training_row_is_the_exact_inverse(tmp_path):

@@ -22,7 +22,7 @@ paper's default), or a fixed ``damping``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -93,7 +93,7 @@ class DataInfAttributor(BaseInnerProductAttributor):
     Scoring needs a reusable training source (a store, or a frozen probe): one
     pass for the default damping, then one pass per held test block to
     precondition its queries (``per_device_eval_batch_size`` queries per pass),
-    then the scoring pass. Training layers are materialized per batch as
+    then the scoring pass; ``loop_over_test=True`` is refused. Training layers are materialized per batch as
     dense ``(B, D)`` rows, so the method suits small (LoRA, projected) layers.
 
     Args:
@@ -161,6 +161,30 @@ class DataInfAttributor(BaseInnerProductAttributor):
                     "default damping is 0. Exclude it with layer_name or pass damping."
                 )
             self.layer_damping[name] = DEFAULT_RELATIVE_DAMPING * total / (rows * width)
+
+    def score_sources(
+        self,
+        train_source: GradientSource,
+        test_source: GradientSource,
+        *,
+        loop_over_test: bool = False,
+        transform_test: Callable[[Gradient], Gradient] | None = None,
+        attribution_granularity: str = "instance",
+    ) -> tuple:
+        """The base scoring pass; ``loop_over_test`` is refused (a training pass per batch)."""
+        if loop_over_test:
+            raise ValueError(
+                "DataInfAttributor preconditions each test block with a pass over the training "
+                "gradients; loop_over_test=True would repeat it for every training batch. Use "
+                "loop_over_test=False (the test side is held, preconditioned once)."
+            )
+        return super().score_sources(
+            train_source,
+            test_source,
+            loop_over_test=loop_over_test,
+            transform_test=transform_test,
+            attribution_granularity=attribution_granularity,
+        )
 
     def transform_test_rep(self, block: Gradient) -> Gradient:
         """Queries preconditioned per training layer, ``H̃⁻¹ q`` as dense ``(B, D)`` rows."""

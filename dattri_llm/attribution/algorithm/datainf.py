@@ -93,8 +93,9 @@ class DataInfAttributor(BaseInnerProductAttributor):
     Scoring needs a reusable training source (a store, or a frozen probe): one
     pass for the default damping, then one pass per held test block to
     precondition its queries (``per_device_eval_batch_size`` queries per pass),
-    then the scoring pass; ``loop_over_test=True`` is refused. Training layers are materialized per batch as
-    dense ``(B, D)`` rows, so the method suits small (LoRA, projected) layers.
+    then the scoring pass; ``loop_over_test=True`` is refused. Training layers
+    are materialized per batch as dense ``(B, D)`` rows, so the method suits
+    small (LoRA, projected) layers.
 
     Args:
         args: the run settings.

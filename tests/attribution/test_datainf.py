@@ -117,3 +117,18 @@ def test_live_attribute_equals_the_dense_formula(tmp_path):
     _close(score.scores, dense_datainf_scores(rows(train), rows(test)), rtol=1e-5)
     live = attributor.attribute(as_dicts(train), as_dicts(test))  # a frozen probe: reusable
     _close(live.scores, score.scores.double(), rtol=1e-5)
+
+
+def test_approximation_error_shrinks_as_damping_dominates():
+    """Both inverses tend to ``q/λ``; the relative gap falls as ``λ`` outgrows ``‖g_i‖²``."""
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(20, 6, generator=gen, dtype=torch.float64)
+    q = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    gram = g.T @ g / g.shape[0]
+    errors = []
+    for lam in (0.1, 1.0, 10.0, 100.0):
+        exact = torch.linalg.solve(gram + lam * torch.eye(6, dtype=g.dtype), q.T).T
+        approx = datainf_precondition([g[:7], g[7:]], q, lam)
+        errors.append(float((approx - exact).norm() / exact.norm()))
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] < 1e-2

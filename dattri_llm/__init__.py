@@ -53,6 +53,8 @@ _LAZY: dict[str, str] = {
     "TRAKAttributor": "dattri_llm.attribution",
     "margin_loss": "dattri_llm.task",
     "margin_and_weights": "dattri_llm.task",
+    "DataInfAttributor": "dattri_llm.attribution",
+    "InfluenceFunctionAttributor": "dattri_llm.attribution",
     "LESSAttributor": "dattri_llm.attribution",
     "TrajectoryAttributor": "dattri_llm.attribution",
     "DVEmbAttributor": "dattri_llm.attribution",

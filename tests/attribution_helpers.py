@@ -184,3 +184,33 @@ def append_store(
             records = []
     if records:
         store.save_bulk(records)
+
+
+def per_sample_rows(model, loss_fn, batches, layers, transpose=()) -> dict[str, torch.Tensor]:
+    """``{layer: (N, D)}`` per-sample ``[W | b]`` rows (``(out, in+1)``) via ``torch.func.grad``."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_of(p, sample):
+        return loss_fn(lambda *a, **kw: torch.func.functional_call(model, p, a, kw), sample)
+
+    grads = [torch.func.grad(loss_of)(params, sample) for sample in batches]
+    rows = {}
+    for name in layers:
+        w = torch.stack([g[f"{name}.weight"] for g in grads])
+        if name in transpose:
+            w = w.transpose(1, 2)
+        b = torch.stack([g[f"{name}.bias"] for g in grads]).unsqueeze(-1)
+        rows[name] = torch.cat([w, b], dim=2).reshape(len(grads), -1)
+    return rows
+
+
+def dense_inverse_scores(train: dict, test: dict, damping=None) -> torch.Tensor:
+    """``Σ_ℓ G (GᵀG/N + λI)⁻¹ Qᵀ`` with an explicit dense inverse (float64)."""
+    total = 0
+    for name, g in train.items():
+        g, q = g.double(), test[name].double()
+        n, d = g.shape
+        lam = damping if damping is not None else 0.1 * g.square().sum() / (n * d)
+        h = g.T @ g / n + lam * torch.eye(d, dtype=g.dtype)
+        total = total + g @ torch.linalg.inv(h) @ q.T
+    return total

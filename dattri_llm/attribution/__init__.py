@@ -2,8 +2,10 @@
 
 from dattri_llm.attribution.algorithm import (
     AdamWInfluenceAttributor,
+    DataInfAttributor,
     DVEmbAttributor,
     EKFACAttributor,
+    InfluenceFunctionAttributor,
     KFACAttributor,
     KroneckerAttributor,
     LESSAttributor,
@@ -26,7 +28,9 @@ __all__ = [
     "BaseAttributor",
     "BaseInnerProductAttributor",
     "DVEmbAttributor",
+    "DataInfAttributor",
     "EKFACAttributor",
+    "InfluenceFunctionAttributor",
     "KFACAttributor",
     "KroneckerAttributor",
     "LESSAttributor",

@@ -34,6 +34,20 @@ def per_sample_layers(block: Gradient) -> list[str]:
     return sorted(n for n, t in block.layer_types.items() if t != PARAM_GRAD_TYPES)
 
 
+def layer_rows(block: Gradient, name: str) -> torch.Tensor:
+    """Layer ``name`` of ``block`` as dense ``(B, D)`` per-sample rows.
+
+    Factorized and low-rank records are materialized; dense per-token rows
+    ``(B, T, D)`` are summed over tokens; other tensors are flattened per sample.
+    """
+    value = block.data[name]
+    if isinstance(value, torch.Tensor):
+        if block.indexing[name] == "batch_token" and value.dim() == 3:
+            return value.sum(1)
+        return value.reshape(value.shape[0], -1)
+    return materialize(value, block.layer_types[name])
+
+
 def _drop_param_grad(block: Gradient) -> Gradient:
     """Remove batch-level ``param_grad`` layers (no per-sample gradient) from ``block``."""
     keep = per_sample_layers(block)

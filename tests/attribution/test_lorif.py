@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attribution_helpers import MLP, MLP_LAYERS, mlp_data, mlp_loss, write_store
+from attribution_helpers import (
+    MLP,
+    MLP_LAYERS,
+    dense_inverse_scores,
+    mlp_data,
+    mlp_loss,
+    per_sample_rows,
+    write_store,
+)
 
 from dattri_llm.attribution.algorithm.lorif import FIT_FILE, LoRIFAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
@@ -24,41 +32,11 @@ def _args(path, batch: int = 4) -> AttributionArguments:
     )
 
 
-def per_sample_rows(model, loss_fn, batches, layers, transpose=()) -> dict[str, torch.Tensor]:
-    """``{layer: (N, D)}`` per-sample ``[W | b]`` rows (``(out, in+1)``) via ``torch.func.grad``."""
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss_of(p, sample):
-        return loss_fn(lambda *a, **kw: torch.func.functional_call(model, p, a, kw), sample)
-
-    grads = [torch.func.grad(loss_of)(params, sample) for sample in batches]
-    rows = {}
-    for name in layers:
-        w = torch.stack([g[f"{name}.weight"] for g in grads])
-        if name in transpose:
-            w = w.transpose(1, 2)
-        b = torch.stack([g[f"{name}.bias"] for g in grads]).unsqueeze(-1)
-        rows[name] = torch.cat([w, b], dim=2).reshape(len(grads), -1)
-    return rows
-
-
 def truncated_rows(rows: torch.Tensor, out: int, rank: int) -> torch.Tensor:
     """Each row's ``(out, in)`` matrix cut to its top ``rank`` singular triplets."""
     m = rows.reshape(rows.shape[0], out, -1)
     u, s, vh = torch.linalg.svd(m, full_matrices=False)
     return (u[..., :rank] * s[..., None, :rank] @ vh[:, :rank]).reshape(rows.shape[0], -1)
-
-
-def dense_inverse_scores(train: dict, test: dict, damping=None) -> torch.Tensor:
-    """``Σ_ℓ G (GᵀG/N + λI)⁻¹ Qᵀ`` with an explicit dense inverse (float64)."""
-    total = 0
-    for name, g in train.items():
-        g, q = g.double(), test[name].double()
-        n, d = g.shape
-        lam = damping if damping is not None else 0.1 * g.square().sum() / (n * d)
-        h = g.T @ g / n + lam * torch.eye(d, dtype=g.dtype)
-        total = total + g @ torch.linalg.inv(h) @ q.T
-    return total
 
 
 def woodbury_scores(train: dict, test: dict, svd_rank: int) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """One module per attribution method."""
 
 from dattri_llm.attribution.algorithm.adamw_influence import AdamWInfluenceAttributor
+from dattri_llm.attribution.algorithm.datainf import DataInfAttributor
 from dattri_llm.attribution.algorithm.dvemb import DVEmbAttributor
+from dattri_llm.attribution.algorithm.influence import InfluenceFunctionAttributor
 from dattri_llm.attribution.algorithm.kronecker import (
     EKFACAttributor,
     KFACAttributor,
@@ -18,7 +20,9 @@ from dattri_llm.attribution.algorithm.trak import TRAKAttributor
 __all__ = [
     "AdamWInfluenceAttributor",
     "DVEmbAttributor",
+    "DataInfAttributor",
     "EKFACAttributor",
+    "InfluenceFunctionAttributor",
     "KFACAttributor",
     "KroneckerAttributor",
     "LESSAttributor",

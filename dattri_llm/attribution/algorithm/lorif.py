@@ -36,9 +36,8 @@ from dattri_llm.attribution.algorithm.kronecker.persistence import (
     write_fit,
 )
 from dattri_llm.attribution.base import BaseInnerProductAttributor
-from dattri_llm.attribution.blocks import per_sample_layers
+from dattri_llm.attribution.blocks import layer_rows, per_sample_layers
 from dattri_llm.gradient.model.lowrank import check_low_rank, is_low_rank, low_rank_gradient
-from dattri_llm.gradient.ops.materialize import materialize
 from dattri_llm.utils.keywords import keywords
 
 if TYPE_CHECKING:
@@ -118,16 +117,6 @@ def _check_damping(damping: object) -> float | None:
             f"subspace is scaled by 1/λ), got {damping!r}; None uses 0.1 × mean(σ²/N)."
         )
     return float(damping)
-
-
-def _layer_rows(block: Gradient, name: str) -> torch.Tensor:
-    """Layer ``name`` of ``block`` as ``(B, D)`` per-sample rows (dense tokens summed)."""
-    value = block.data[name]
-    if isinstance(value, torch.Tensor):
-        if block.indexing[name] == "batch_token" and value.dim() == 3:
-            return value.sum(1)
-        return value.reshape(value.shape[0], -1)
-    return materialize(value, block.layer_types[name])
 
 
 def _orthonormal(matrix: torch.Tensor) -> torch.Tensor:
@@ -260,7 +249,7 @@ class LoRIFAttributor(BaseInnerProductAttributor):
                 continue
             block = self.transform_train_rep(block.select_layers(layers))
             for name in layers:
-                rows = _layer_rows(block, name)
+                rows = layer_rows(block, name)
                 sweep = sweeps.get(name)
                 if sweep is None:
                     if not first_pass:
@@ -453,7 +442,7 @@ class LoRIFAttributor(BaseInnerProductAttributor):
         if not fitted:
             return block
         return block.select_layers(fitted).map_layers(
-            lambda name, _value, _type: self.precondition(name, _layer_rows(block, name))
+            lambda name, _value, _type: self.precondition(name, layer_rows(block, name))
         )
 
     def inner_product_per_token(self, train_rep: Gradient, test_rep: Gradient) -> torch.Tensor:

@@ -1,0 +1,256 @@
+"""Exact-Hessian influence functions for small models (CG, LiSSA or a direct solve).
+
+A training row ``i`` scores against query ``j``
+
+    ``g_iᵀ (H + λI)⁻¹ q_j``
+
+with ``g_i``, ``q_j`` the stored per-sample gradients of the hooked linear
+layers (weight and bias, unprojected) and ``H`` the exact Hessian, over those
+layers' parameters, of the mean of the task's ``loss_func`` over
+``hessian_batches`` (one sample per batch: the mean training loss). ``H`` is
+never formed for ``"cg"`` / ``"lissa"``: Hessian-vector products come from
+``torch.func`` (forward-over-reverse, double backward) on the task model,
+every other parameter held fixed. Sign: positive = helpful, as Grad-Dot
+(``polarity = +1``; Koh & Liang 2017's influence on the test loss is the
+negative of this score).
+
+The queries are solved once (``n_test`` solves, each a few dozen HVPs, every
+HVP a pass over ``hessian_batches``); training rows are read as stored.
+Meant for small models: more than ``max_params`` hooked parameters is refused.
+For the HVPs ``loss_func(model, batch)`` receives a callable standing in for
+the model (the model run with substituted parameters): it may call its model
+argument but not read attributes of it. ``attribute`` collects both sides
+into stores first (``gradient_cache_residency``, ``"memory"`` by default) so
+the HVPs run on a model free of capture hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from dattri_llm.attribution.algorithm.ihvp import conjugate_gradient, direct_solve, lissa
+from dattri_llm.attribution.base import BaseInnerProductAttributor
+from dattri_llm.attribution.blocks import layer_rows, per_sample_layers
+from dattri_llm.utils.keywords import keywords
+
+if TYPE_CHECKING:
+    from dattri_llm.attribution.arguments import AttributionArguments
+    from dattri_llm.attribution.score import AttributionScore
+    from dattri_llm.gradient.model.container import Gradient
+
+__all__ = ["SOLVERS", "InfluenceFunctionAttributor"]
+
+SOLVERS = ("cg", "lissa", "direct")
+DEFAULT_MAX_PARAMS = 20_000
+
+
+class InfluenceFunctionAttributor(BaseInnerProductAttributor):
+    """Influence functions with the exact Hessian (``algorithm="InfluenceFunction"``).
+
+    Args:
+        args: the run settings.
+        task: the :class:`AttributionTask` whose model and ``loss_func`` give ``H``
+            (required: the Hessian needs the model even when scoring from stores).
+        hessian_batches: batches ``loss_func(model, batch)`` accepts; ``H`` is
+            the Hessian of their mean loss (one training sample per batch for
+            the mean training loss).
+        solver: ``"cg"`` (conjugate gradients), ``"lissa"`` or ``"direct"``
+            (dense solve of ``H`` built from ``D`` HVPs).
+        damping: ``λ >= 0`` (``H + λI`` must be positive definite for CG and
+            the direct solve; the Hessian of a non-convex loss may need ``λ``
+            above ``-λ_min(H)``).
+        max_params: the most hooked parameters ``D`` accepted.
+        solver_options: passed to the solver (``max_iter``/``tol`` for CG,
+            ``scale``/``depth``/``repeat`` for LiSSA).
+
+    Raises:
+        ValueError: no task; an unknown solver; negative damping; no batches.
+    """
+
+    algorithm: ClassVar[str] = "InfluenceFunction"
+
+    def __init__(
+        self,
+        args: AttributionArguments,
+        *,
+        task: object | None = None,
+        hessian_batches: Sequence[object] = (),
+        solver: str = "cg",
+        damping: float = 1e-3,
+        max_params: int = DEFAULT_MAX_PARAMS,
+        solver_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(args, task=task)
+        self.require_task("__init__")
+        if solver not in SOLVERS:
+            raise ValueError(
+                f"InfluenceFunctionAttributor: solver must be one of {SOLVERS}, got {solver!r}."
+            )
+        if isinstance(damping, bool) or not math.isfinite(float(damping)) or damping < 0:
+            raise ValueError(
+                f"InfluenceFunctionAttributor: damping must be finite and >= 0, got {damping!r}."
+            )
+        self.hessian_batches = list(hessian_batches)
+        if not self.hessian_batches:
+            raise ValueError(
+                "InfluenceFunctionAttributor: hessian_batches is empty; pass the training "
+                "batches (one sample each for the mean training loss) the Hessian is taken over."
+            )
+        self.solver = solver
+        self.damping = float(damping)
+        self.max_params = int(max_params)
+        self.solver_options = dict(solver_options or {})
+
+    def checkpoints(self) -> list[int]:
+        """``[0]``: the Hessian is taken at one checkpoint (``UserWarning`` if more)."""
+        return self._first_checkpoint_only()
+
+    # ------------------------------------------------------------------ parameters
+    def _linear_layers(self, model: nn.Module, names: list[str]) -> dict[str, nn.Linear]:
+        """The hooked modules, each an ``nn.Linear`` (``ValueError`` otherwise)."""
+        modules = dict(model.named_modules())
+        layers = {}
+        for name in names:
+            module = modules.get(name)
+            if not isinstance(module, nn.Linear):
+                raise ValueError(
+                    f"InfluenceFunctionAttributor: layer {name!r} is "
+                    f"{type(module).__name__}, not nn.Linear; the exact Hessian maps stored rows "
+                    "to linear weights and biases only. Restrict with layer_name."
+                )
+            layers[name] = module
+        return layers
+
+    def _split(self, layers: dict[str, nn.Linear], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``(K, D)`` rows → ``{param name: (K, *param shape)}`` (``[W | b]`` per layer)."""
+        out, offset = {}, 0
+        for name, module in layers.items():
+            width = module.in_features + (module.bias is not None)
+            size = module.out_features * width
+            block = rows[:, offset : offset + size].reshape(-1, module.out_features, width)
+            out[f"{name}.weight"] = block[..., : module.in_features]
+            if module.bias is not None:
+                out[f"{name}.bias"] = block[..., module.in_features]
+            offset += size
+        return out
+
+    def _join(self, layers: dict[str, nn.Linear], params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``{param name: (K, *shape)}`` → ``(K, D)`` rows (inverse of :meth:`_split`)."""
+        parts = []
+        for name, module in layers.items():
+            weight = params[f"{name}.weight"]
+            if module.bias is not None:
+                weight = torch.cat([weight, params[f"{name}.bias"].unsqueeze(-1)], dim=-1)
+            parts.append(weight.reshape(weight.shape[0], -1))
+        return torch.cat(parts, dim=1)
+
+    def hvp_function(self, names: list[str]) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+        """``(hvp, D)``: ``hvp((K, D)) -> (K, D)``, ``H`` over layers ``names``' parameters.
+
+        Raises:
+            ValueError: a non-linear layer; ``D > max_params``.
+        """
+        model = self.load_checkpoint(0)
+        layers = self._linear_layers(model, names)
+        params = {
+            f"{name}.{kind}": getattr(module, kind).detach()
+            for name, module in layers.items()
+            for kind in ("weight", "bias")
+            if getattr(module, kind) is not None
+        }
+        size = sum(p.numel() for p in params.values())
+        if size > self.max_params:
+            raise ValueError(
+                f"InfluenceFunctionAttributor: the hooked layers hold {size} parameters, above "
+                f"max_params={self.max_params}; the exact Hessian is for small models. Use "
+                "DataInfAttributor, LoRIFAttributor or KFACAttributor, hook fewer layers, or "
+                "raise max_params."
+            )
+        loss_func = self.train_loss_fn()
+        batches = self.hessian_batches
+
+        def mean_loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            def call(*a: Any, **kw: Any) -> Any:
+                return torch.func.functional_call(model, p, a, kw, strict=False)
+
+            total = sum(loss_func(call, batch) for batch in batches)
+            return total / len(batches)
+
+        gradient = torch.func.grad(mean_loss)
+
+        def hvp(rows: torch.Tensor) -> torch.Tensor:
+            tangents = self._split(layers, rows.to(next(iter(params.values()))))
+            results = []
+            for k in range(rows.shape[0]):
+                tangent = {key: value[k] for key, value in tangents.items()}
+                _, product = torch.func.jvp(gradient, (params,), (tangent,))
+                results.append({key: value.detach().unsqueeze(0) for key, value in product.items()})
+            joined = {key: torch.cat([r[key] for r in results]) for key in results[0]}
+            return self._join(layers, joined).to(rows)
+
+        return hvp, size
+
+    # ------------------------------------------------------------------ scoring
+    def solve(
+        self, hvp: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor
+    ) -> torch.Tensor:
+        """``(H + λI)⁻¹`` applied to ``(K, D)`` query rows with the configured solver."""
+        if self.solver == "cg":
+            return conjugate_gradient(hvp, rows, damping=self.damping, **self.solver_options)
+        if self.solver == "lissa":
+            return lissa(hvp, rows, damping=self.damping, **self.solver_options)
+        return direct_solve(hvp, rows, damping=self.damping)
+
+    def transform_test_rep(self, block: Gradient) -> Gradient:
+        """Queries solved against ``H + λI`` over all hooked layers jointly (dense ``(B, D_l)``)."""
+        names = per_sample_layers(block)
+        hvp, size = self.hvp_function(names)
+        rows = [layer_rows(block, name) for name in names]
+        joined = torch.cat(rows, dim=1)
+        if joined.shape[1] != size:
+            raise ValueError(
+                f"InfluenceFunctionAttributor: the query gradients have {joined.shape[1]} entries "
+                f"but layers {names} hold {size} parameters; projected stores cannot be scored "
+                "with the exact Hessian. Capture without projection."
+            )
+        solved = self.solve(hvp, joined.to(torch.float64)).to(joined.dtype)
+        pieces = dict(zip(names, torch.split(solved, [r.shape[1] for r in rows], dim=1)))
+        return block.select_layers(names).map_layers(lambda name, _v, _t: pieces[name])
+
+    @keywords()
+    def attribute(
+        self,
+        train_dataset: object,
+        test_dataset: object,
+        *,
+        hook_config: Any = None,
+        verbose: bool = False,
+        loop_over_test: bool = False,
+        gradient_cache_residency: str | None = "memory",
+        attribution_granularity: str = "instance",
+    ) -> AttributionScore:
+        """Collect both sides into stores of ``gradient_cache_residency``, then score them.
+
+        The HVPs run the model, which must be free of capture hooks then: the
+        live path (``gradient_cache_residency=None``) is refused.
+        """
+        if gradient_cache_residency is None:
+            raise ValueError(
+                "InfluenceFunctionAttributor runs Hessian-vector products on the model, which "
+                "the live path keeps hooked for capture; pass gradient_cache_residency="
+                "'memory' (the default), 'tiered' or 'disk'."
+            )
+        return super().attribute(
+            train_dataset,
+            test_dataset,
+            hook_config=hook_config,
+            verbose=verbose,
+            loop_over_test=loop_over_test,
+            gradient_cache_residency=gradient_cache_residency,
+            attribution_granularity=attribution_granularity,
+        )

@@ -71,9 +71,14 @@ def _per_sample_rows(
 
 
 def _weights(model, samples) -> torch.Tensor:
+    """``(N,)`` each sample's ``1 − p``, one forward per sample (lengths may differ)."""
     with torch.no_grad():
-        batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-        return margin_and_weights(model, batch)[1].double()
+        return torch.cat(
+            [
+                margin_and_weights(model, {k: v.unsqueeze(0) for k, v in s.items()})[1]
+                for s in samples
+            ]
+        ).double()
 
 
 def dense_trak(model, train, test, layers, damping=None, use_vmap=True, mask=None) -> torch.Tensor:
@@ -167,6 +172,36 @@ def test_causal_lm_matches_dense(tmp_path):
     tokens = attributor.attribute(train, test, hook_config=hooks, attribution_granularity="token")
     summed = tokens.agnostic_matrix()[1].double()
     torch.testing.assert_close(summed, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_token_rows_of_batches_of_different_lengths(tmp_path):
+    """Token rows: a batch of 6-token samples then one of 3-token samples (30 rows for 6
+    samples, so no single repeat factor lines the 1 − p weights up with the rows)."""
+    transformers = pytest.importorskip("transformers")
+    from dattri_llm.gradient.hooks.config import HookManagerConfig
+
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=31, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    gen = torch.Generator().manual_seed(6)
+
+    def sample(length):
+        ids = torch.randint(0, 31, (length,), generator=gen)
+        return {"input_ids": ids, "labels": ids}
+
+    train = [sample(6) for _ in range(4)] + [sample(3) for _ in range(2)]
+    test = [sample(6) for _ in range(2)]
+    layers = ("transformer.h.0.mlp.c_fc",)
+    hooks = HookManagerConfig(linear_io=[r"h\.0\.mlp\.c_fc$"])
+    attributor = TRAKAttributor(_args(tmp_path), task=AttributionTask(None, model))
+    tokens = attributor.attribute(train, test, hook_config=hooks, attribution_granularity="token")
+    expected = dense_trak(model, train, test, layers, use_vmap=False)
+    summed = tokens.agnostic_matrix()[1].double()  # float32 token rows, summed
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(summed, expected, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_margin_and_weights_values():

@@ -138,12 +138,21 @@ class TRAKAttributor(LoRIFAttributor):
         self._row_weights, self._last_weights = [], None
         scores, *rest = super().score_sources(train_source, test_source, **options)
         weights = torch.cat(self._row_weights) if self._row_weights else torch.zeros(0)
-        if scores.shape[0] and scores.shape[0] % max(weights.numel(), 1):
+        row_tokens = rest[3]
+        # A row's sample: rows are sample-major, and token rows restart at position 0 per
+        # sample (a batch's token count may differ from another's).
+        if row_tokens is None:
+            sample_of_row = torch.arange(scores.shape[0])
+        else:
+            sample_of_row = torch.tensor([t == 0 for t in row_tokens], dtype=torch.long)
+            sample_of_row = sample_of_row.cumsum(0) - 1
+        samples = int(sample_of_row[-1]) + 1 if scores.shape[0] else 0
+        if samples != weights.numel():
             raise ValueError(
-                f"TRAKAttributor: {scores.shape[0]} score rows for {weights.numel()} training "
-                "samples; the weights and rows are out of step."
+                f"TRAKAttributor: score rows of {samples} training samples for "
+                f"{weights.numel()} 1 - p weights; the weights and rows are out of step."
             )
-        per_row = weights.repeat_interleave(scores.shape[0] // max(weights.numel(), 1))
+        per_row = weights[sample_of_row] if scores.shape[0] else weights
         scores = scores * (per_row / self._ensemble_size).to(scores)[:, None]
         return (scores, *rest)
 

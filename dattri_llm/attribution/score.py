@@ -29,7 +29,7 @@ def default_polarity(algorithm: str) -> int:
     return -1 if algorithm == "AdamWInfluence" else 1
 
 
-def _check_polarity(polarity: object) -> int:
+def check_polarity(polarity: object) -> int:
     """``polarity`` as a plain ``int`` (``ValueError`` unless it is ``+1`` or ``-1``)."""
     try:
         value = None if isinstance(polarity, bool) else operator.index(polarity)
@@ -67,7 +67,7 @@ class AttributionScore:
 
     def __post_init__(self) -> None:
         """Check lengths and polarity against the matrix and build the lookup indexes."""
-        self.polarity = _check_polarity(self.polarity)
+        self.polarity = check_polarity(self.polarity)
         self.row_train_ids = [str(h) for h in self.row_train_ids]
         self.row_steps = [int(s) for s in self.row_steps]
         self.test_ids = [str(h) for h in self.test_ids]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dattri_llm.attribution.score import AttributionScore, _check_polarity
+from dattri_llm.attribution.score import AttributionScore, check_polarity
 
 __all__ = [
     "Interval",
@@ -166,7 +166,7 @@ def align_scores(
             )
         matrix = scores.query(ids, None if test_ids is None else [str(t) for t in test_ids])
         return matrix.detach().to("cpu", torch.float64) * scores.polarity
-    sign = _check_polarity(polarity)
+    sign = check_polarity(polarity)
     matrix = torch.as_tensor(scores).detach().to("cpu", torch.float64)
     if matrix.dim() != 2 or matrix.shape[0] != len(ids):
         raise ValueError(

@@ -108,7 +108,7 @@ def kronecker(cls: type) -> Callable[[Captured], torch.Tensor]:
     return score
 
 
-# ---------------------------------------------------------------------------- issue 15: LoRIF
+# ---------------------------------------------------------------------------- LoRIF
 def logra_kwargs(k: int, layer_types: dict[str, str] | None = None) -> dict[str, dict]:
     """LoGRA factor projection of every layer to ``k × k`` (``d_out' = d_in' = k``).
 
@@ -218,7 +218,7 @@ def random_baseline(captured: Captured) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float64)
 
 
-# ---------------------------------------------------------------------------- issue 11 methods
+# ---------------------------------------------------------------------------- trajectory methods
 def adamw_influence(num_masks: int) -> Callable[[Captured], torch.Tensor]:
     """AdamW-influence (query-side sweep); ``num_masks > 1`` averages disjoint coordinate groups.
 

@@ -141,8 +141,13 @@ def dense_trackstar(
     if matrix is not None:
         phi = {name: rows @ matrix[name].double() for name, rows in phi.items()}
         q = {name: rows @ matrix[name].double() for name, rows in q.items()}
+    return _dense_from_rows(phi, q, LAYERS, mixing, damping, unit, whiten)
+
+
+def _dense_from_rows(phi, q, layers, mixing, damping=None, unit=True, whiten=True):
+    """Per layer ``R``, ``δ``, ``(R + δI)^{-1/2}`` by ``eigh``; unit rows; inner products."""
     white_train, white_test = [], []
-    for name in LAYERS:
+    for name in layers:
         a, b = phi[name], q[name]
         d = a.shape[1]
         r = mixing * a.T @ a / a.shape[0] + (1 - mixing) * b.T @ b / b.shape[0]
@@ -257,6 +262,50 @@ def test_projection_and_sum_loss_match_dense(tmp_path, style):
     torch.testing.assert_close(score.agnostic_matrix()[1].double(), expected, rtol=0, atol=ATOL)
 
 
+def test_causal_lm_with_adafactor_matches_dense(tmp_path):
+    """A tiny GPT-2 (HF ``Conv1D`` layers, Adafactor's factored state) against a loop of grads."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=8, n_head=2, vocab_size=31, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    gen = torch.Generator().manual_seed(5)
+    sample = lambda: {"input_ids": torch.randint(0, 31, (6,), generator=gen)}  # noqa: E731
+    train, test = [sample() for _ in range(5)], [sample() for _ in range(3)]
+    lm_loss = lambda m, batch: m(**batch, labels=batch["input_ids"]).loss  # noqa: E731
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    for _ in range(3):
+        optimizer.zero_grad()
+        lm_loss(model, {"input_ids": torch.stack([s["input_ids"] for s in train])}).backward()
+        optimizer.step()
+    optimizer.zero_grad()
+    layers = ("transformer.h.0.mlp.c_fc", "transformer.h.1.attn.c_proj")
+    hooks = HookManagerConfig(linear_io=[r"h\.0\.mlp\.c_fc$", r"h\.1\.attn\.c_proj$"])
+    attributor = TrackStarAttributor(
+        _args(tmp_path), task=AttributionTask(lm_loss, model), optimizer=optimizer, mixing=0.5
+    )
+    got = attributor.attribute(train, test, hook_config=hooks).agnostic_matrix()[1].double()
+    named = dict(model.named_parameters())
+
+    def rows(samples):  # one backward per sample; no projection, so any coordinate order
+        out = {name: [] for name in layers}
+        for s in samples:
+            model.zero_grad()
+            lm_loss(model, {"input_ids": s["input_ids"][None]}).backward()
+            for name in layers:
+                parts = [named[f"{name}.{r}"] for r in ("weight", "bias")]
+                out[name].append(
+                    torch.cat([(p.grad / _denominator(optimizer, p)).reshape(-1) for p in parts])
+                )
+        model.zero_grad()
+        return {name: torch.stack(v) for name, v in out.items()}
+
+    expected = _dense_from_rows(rows(train), rows(test), layers, mixing=0.5)
+    torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+
+
 def test_each_component_changes_the_scores_beyond_tolerance(tmp_path):
     """The dense check can fail: dropping any one step moves the scores far beyond ATOL."""
     model, optimizer = _trained(torch.optim.Adam)
@@ -323,6 +372,7 @@ def test_state_dict_file_is_rebuilt_over_the_model(tmp_path):
         ({"mixing": "half"}, "mixing must be a float"),
         ({"damping": 0.0}, "damping must be finite and > 0"),
         ({"damping": -1.0}, "damping must be finite and > 0"),
+        ({"damping": "small"}, "damping must be finite and > 0"),
         ({"loss_reduction": "none"}, "loss_reduction must be one of"),
         ({"optimizer": "/no/such/optimizer.pt"}, "no optimizer state file"),
         ({"optimizer": {"state": {}}}, "must hold 'state' and 'param_groups'"),

@@ -77,6 +77,18 @@ def _check_mixing(mixing: object) -> float:
     return float(mixing)
 
 
+def _check_damping(damping: object) -> None:
+    """``None`` or a finite number ``> 0`` (``ValueError`` otherwise)."""
+    if damping is None:
+        return
+    number = isinstance(damping, (int, float)) and not isinstance(damping, bool)
+    if not (number and math.isfinite(damping) and damping > 0):
+        raise ValueError(
+            f"TrackStarAttributor: damping must be finite and > 0 (added to R before its "
+            f"inverse square root), got {damping!r}; None uses 0.1 × trace(R)/D per layer."
+        )
+
+
 def _supported_type(optimizer: torch.optim.Optimizer) -> str:
     """The first class name along the MRO with a second moment (``ValueError`` otherwise)."""
     for cls in type(optimizer).__mro__:
@@ -244,12 +256,7 @@ class TrackStarAttributor(LoRIFAttributor):
         loss_reduction: str = "mean",
         optimizer_param_names: Sequence[str] | None = None,
     ) -> None:
-        if damping is not None and not isinstance(damping, bool):
-            if isinstance(damping, (int, float)) and not (math.isfinite(damping) and damping > 0):
-                raise ValueError(
-                    f"TrackStarAttributor: damping must be finite and > 0 (added to R before "
-                    f"its inverse square root), got {damping!r}; None uses 0.1 × trace(R)/D."
-                )
+        _check_damping(damping)
         super().__init__(args, task=task, rank=None, svd_rank=None, damping=damping)
         self.mixing = _check_mixing(mixing)
         self.optimizer_state = _check_optimizer(optimizer)
@@ -363,6 +370,12 @@ class TrackStarAttributor(LoRIFAttributor):
 
     def prepare_scoring(self, train_source: GradientSource, test_source: GradientSource) -> None:
         """Fit ``R_train`` (and ``R_query`` when ``mixing < 1``) and each layer's whitener."""
+        if self.args.world_size > 1:
+            raise ValueError(
+                f"TrackStarAttributor fits R from the rows one process sees, but this run has "
+                f"world_size={self.args.world_size} (the training set sharded over processes); "
+                "score on a single process."
+            )
         train_fits = self.fit_source(train_source)
         query_fits = self.fit_source(test_source) if self.mixing < 1.0 else {}
         names = [n for n in train_fits if self.mixing == 1.0 or n in query_fits]

@@ -32,7 +32,11 @@ import torch
 
 import dattri_llm.attribution.sources as sources
 from dattri_llm.attribution.algorithm.less import scale_to_norm
-from dattri_llm.attribution.algorithm.lorif import LoRIFAttributor, LoRIFLayerFit
+from dattri_llm.attribution.algorithm.lorif import (
+    DEFAULT_RELATIVE_DAMPING,
+    LoRIFAttributor,
+    LoRIFLayerFit,
+)
 from dattri_llm.attribution.algorithm.trajectory.sweep import LOSS_REDUCTIONS, check_choice
 from dattri_llm.gradient.ops.optimizer import SECOND_MOMENT_STATE_KEYS
 from dattri_llm.gradient.state.names import optimizer_from_state_dict
@@ -51,7 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["TrackStarAttributor"]
 
 DEFAULT_MIXING = 0.9
-DEFAULT_RELATIVE_DAMPING = 0.1
 OptimizerState = torch.optim.Optimizer | Mapping[str, Any] | str | os.PathLike
 
 # The torch.optim class a saved state dict is rebuilt as, by a state key it holds.

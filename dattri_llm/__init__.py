@@ -51,6 +51,7 @@ _LAZY: dict[str, str] = {
     "EKFACAttributor": "dattri_llm.attribution",
     "LoRIFAttributor": "dattri_llm.attribution",
     "TRAKAttributor": "dattri_llm.attribution",
+    "TrackStarAttributor": "dattri_llm.attribution",
     "margin_loss": "dattri_llm.task",
     "margin_and_weights": "dattri_llm.task",
     "DataInfAttributor": "dattri_llm.attribution",

@@ -13,6 +13,7 @@ from dattri_llm.attribution.algorithm import (
     StrideAttributor,
     StrideConfig,
     TracInAttributor,
+    TrackStarAttributor,
     TrajectoryAttributor,
     TrajectoryTracInAttributor,
     TRAKAttributor,
@@ -39,6 +40,7 @@ __all__ = [
     "StrideConfig",
     "TRAKAttributor",
     "TracInAttributor",
+    "TrackStarAttributor",
     "TrajectoryAttributor",
     "TrajectoryTracInAttributor",
 ]

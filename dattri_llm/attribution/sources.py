@@ -93,10 +93,12 @@ def query_streamer(
     hook_manager: HookManager | None,
     forward_model: nn.Module | None,
     shard: bool,
+    **streamer_options: Any,
 ) -> GradientStreamer:
     """A frozen test probe (batch ``per_device_eval_batch_size``, the target function).
 
     Its ``role`` is ``"query"``: loss errors name the failing query batch.
+    ``streamer_options`` go to the streamer (e.g. ``optimizer``, ``precondition``).
     """
     task = attributor.require_task("generate_test_rep")
     streamer = GradientStreamer(
@@ -110,6 +112,7 @@ def query_streamer(
         hook_manager=hook_manager,
         forward_model=forward_model if forward_model is not None else task.forward_model,
         shard=shard,
+        **streamer_options,
     )
     streamer.role = "query"
     return streamer

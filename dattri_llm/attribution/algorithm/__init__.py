@@ -13,6 +13,7 @@ from dattri_llm.attribution.algorithm.less import LESSAttributor
 from dattri_llm.attribution.algorithm.lorif import LoRIFAttributor
 from dattri_llm.attribution.algorithm.stride import StrideAttributor, StrideConfig
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+from dattri_llm.attribution.algorithm.trackstar import TrackStarAttributor
 from dattri_llm.attribution.algorithm.trajectory import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
 from dattri_llm.attribution.algorithm.trak import TRAKAttributor
@@ -31,6 +32,7 @@ __all__ = [
     "StrideConfig",
     "TRAKAttributor",
     "TracInAttributor",
+    "TrackStarAttributor",
     "TrajectoryAttributor",
     "TrajectoryTracInAttributor",
 ]

@@ -247,7 +247,7 @@ class LoRIFAttributor(BaseInnerProductAttributor):
             layers = per_sample_layers(block)
             if not layers:
                 continue
-            block = self.transform_train_rep(block.select_layers(layers))
+            block = self.fit_rows(block.select_layers(layers))
             for name in layers:
                 rows = layer_rows(block, name)
                 sweep = sweeps.get(name)
@@ -411,6 +411,10 @@ class LoRIFAttributor(BaseInnerProductAttributor):
             self.layer_fits = self._loaded_fits
         else:
             self.layer_fits = self.fit_source(train_source)
+
+    def fit_rows(self, block: Gradient) -> Gradient:
+        """The rows the fit sweeps: :meth:`transform_train_rep` (a subclass may differ)."""
+        return self.transform_train_rep(block)
 
     def transform_train_rep(self, block: Gradient) -> Gradient:
         """Matrix-form layers at rank ``c`` (identity for ``rank=None``)."""

@@ -169,6 +169,21 @@ class HookManager:
     def precondition(self, value: bool) -> None:
         self._preconditioning.enabled = value
 
+    @property
+    def precondition_rule(self) -> str:
+        """What the optimizer map computes: ``"update"`` (default) or ``"second_moment"``.
+
+        ``"update"``: the update direction (``ops.precondition``);
+        ``"second_moment"``: the gradient over the optimizer's second-moment
+        denominator (``ops.second_moment_normalize``; Adam, AdamW, Adafactor).
+        Setting it on a manager without optimizer raises ``ValueError``.
+        """
+        return self._preconditioning.rule
+
+    @precondition_rule.setter
+    def precondition_rule(self, value: str) -> None:
+        self._preconditioning.rule = value
+
     def set_loss_convention(
         self, loss_reduction: str | None, gradient_accumulation_steps: int = 1
     ) -> None:

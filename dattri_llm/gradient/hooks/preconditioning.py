@@ -15,7 +15,7 @@ from dattri_llm.gradient.hooks.linear_io import check_preconditionable_projectio
 from dattri_llm.gradient.ops.projector import DattriProjector
 from dattri_llm.gradient.state.names import optimizer_type
 from dattri_llm.gradient.state.optimizer_snapshot import OptimizerLike, OptimizerSnapshot
-from dattri_llm.gradient.state.preconditioner import GradientPreconditioner
+from dattri_llm.gradient.state.preconditioner import PRECONDITION_RULES, GradientPreconditioner
 
 __all__ = ["Preconditioning"]
 
@@ -52,6 +52,24 @@ class Preconditioning:
                 )
             return
         self.preconditioner.enabled = bool(value)
+
+    @property
+    def rule(self) -> str:
+        """The map's rule (``"update"`` or ``"second_moment"``; ``"update"`` without optimizer)."""
+        return "update" if self.preconditioner is None else self.preconditioner.rule
+
+    @rule.setter
+    def rule(self, value: str) -> None:
+        if value not in PRECONDITION_RULES:
+            raise ValueError(
+                f"precondition_rule must be one of {list(PRECONDITION_RULES)}, got {value!r}."
+            )
+        if self.preconditioner is None:
+            raise ValueError(
+                f"precondition_rule={value!r} needs a HookManager built with optimizer=... "
+                "(preconditioned capture); this one has no optimizer."
+            )
+        self.preconditioner.rule = value
 
     def set_loss_convention(
         self, loss_reduction: str | None, gradient_accumulation_steps: int

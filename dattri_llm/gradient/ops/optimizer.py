@@ -18,6 +18,13 @@ Lion is not in ``torch.optim``; the map follows its published rule (Chen et al.,
 ``m ← β2·m + (1−β2)·g`` (state key ``exp_avg``, default ``betas=(0.9, 0.99)``),
 so ``exp_avg`` passed here is ``m`` before that state update.
 
+``second_moment_normalize`` is another map: a per-sample gradient divided
+coordinate-wise by the optimizer's second-moment denominator as it stands
+(``sqrt(v) + eps`` for Adam / AdamW, ``sqrt(max(v, eps1²))`` for Adafactor,
+whose ``v`` is the rank-1 reconstruction of its factored moments), without
+momentum, bias correction or a state update: the optimizer-normalised gradient
+of TrackStar (Chang et al., 2024).
+
 The AdamW-influence kernels (``adam_preconditioner``, ``adamw_influence_push``,
 ``adamw_influence_transition``, ``adamw_influence_coupling``) live in
 ``ops/adamw_influence.py`` and are re-exported here (their public path).
@@ -59,6 +66,15 @@ OPTIMIZER_STATE_KEYS: dict[str, tuple[str, ...]] = {
     "Adagrad": ("sum",),
     "Adadelta": ("square_avg", "acc_delta"),
     "Lion": ("exp_avg",),
+}
+
+# Per-coordinate second-moment state of the optimizers ``second_moment_normalize`` serves;
+# Adafactor's ``variance`` is the rank-1 reconstruction of its factored moments for matrices
+# (``OptimizerSnapshot`` derives it from ``row_var`` / ``col_var``) and its own state for vectors.
+SECOND_MOMENT_STATE_KEYS: dict[str, tuple[str, ...]] = {
+    "Adam": ("exp_avg_sq", "max_exp_avg_sq"),
+    "AdamW": ("exp_avg_sq", "max_exp_avg_sq"),
+    "Adafactor": ("variance",),
 }
 
 # State keys holding one scalar for the whole parameter rather than one value per coordinate.
@@ -306,7 +322,7 @@ def precondition(
     if rule is None:
         raise NotImplementedError(
             f"precondition: optimizer type {optimizer_type!r} has no update map; supported "
-            f"types: {', '.join(OPTIMIZER_STATE_KEYS)}."
+            f"types: {', '.join(_RULES)}."
         )
     t = check_step(step, "precondition")
     if g.ndim != 2:
@@ -318,3 +334,93 @@ def precondition(
     if _hyper(hyperparameters, "maximize", False):
         grads = -grads
     return rule(grads, pre_step, t, hyperparameters).to(torch.float32)
+
+
+def adafactor_variance(row_var: Tensor, col_var: Tensor, eps1: float | None = None) -> Tensor:
+    """``torch.optim.Adafactor``'s second moment of a matrix from its factors, like the parameter.
+
+    The rank-1 reconstruction ``v ≈ r cᵀ / Σ r`` of the row sums ``r`` and
+    column sums ``c`` of ``v``, in the mean form torch keeps and divides by:
+    ``row_var · col_var / max(mean(row_var), eps1)`` (``row_var`` ``(..., m, 1)``,
+    ``col_var`` ``(..., 1, n)``, means over the rows; ``eps1=None``: float32's
+    machine epsilon).
+
+    Returns:
+        ``(..., m, n)`` in the promoted dtype of the factors.
+    """
+    eps = torch.finfo(torch.float32).eps if eps1 is None else _scalar(eps1)
+    return row_var * col_var / row_var.mean(dim=-2, keepdim=True).clamp(min=eps)
+
+
+def _second_moment(
+    state: _State, optimizer_type: str, hyperparameters: Mapping[str, Any]
+) -> Tensor:
+    """The stored second moment ``v`` ``(k,)`` the optimizer divides by."""
+    if optimizer_type == "Adafactor":
+        key = "variance"
+    else:
+        amsgrad = bool(_hyper(hyperparameters, "amsgrad", False))
+        key = "max_exp_avg_sq" if amsgrad else "exp_avg_sq"
+    v = state.get(key)
+    if v is None:
+        raise ValueError(
+            f"second_moment_normalize: the {optimizer_type} state has no {key!r}: the optimizer "
+            "has taken no step. Pass the optimizer (or its state_dict) of the trained model."
+        )
+    return v
+
+
+def second_moment_normalize(
+    g: Tensor,
+    state: Mapping[str, Any] | None,
+    *,
+    optimizer_type: str,
+    **hyperparameters: Any,
+) -> Tensor:
+    """``g`` divided coordinate-wise by the optimizer's second-moment denominator ``(B, k)``.
+
+    Adam / AdamW: ``g / (sqrt(v) + eps)`` with ``v = exp_avg_sq`` as stored
+    (``max_exp_avg_sq`` with ``amsgrad``), ``eps`` the group's (default
+    ``1e-8``). Adafactor: ``g / sqrt(max(v, eps1²))``, ``eps1 = eps[0]`` of the
+    group (``None``: float32's machine epsilon, torch's value for float32
+    parameters), ``v = state["variance"]``. No momentum, no bias correction and
+    no update of ``v`` with ``g``: the map is linear in ``g``.
+
+    Args:
+        g: ``(B, k)`` per-sample gradients on ``k`` coordinates.
+        state: the optimizer state of those coordinates, keys of
+            ``SECOND_MOMENT_STATE_KEYS[optimizer_type]`` with ``(k,)`` tensors.
+        optimizer_type: ``"Adam"``, ``"AdamW"`` or ``"Adafactor"``.
+        **hyperparameters: the param-group values (``eps``, ``amsgrad``);
+            others are ignored.
+
+    Returns:
+        ``(B, k)`` float32 (arithmetic in the promoted dtype, at least float32).
+
+    Raises:
+        NotImplementedError: another optimizer type.
+        ValueError: ``g`` not 2-D, a state tensor of the wrong shape, or no
+            second moment in ``state`` (an optimizer that has not stepped).
+    """
+    keys = SECOND_MOMENT_STATE_KEYS.get(optimizer_type)
+    if keys is None:
+        raise NotImplementedError(
+            f"second_moment_normalize: optimizer type {optimizer_type!r} keeps no per-coordinate "
+            f"second moment this map reads; supported types: "
+            f"{', '.join(SECOND_MOMENT_STATE_KEYS)}."
+        )
+    if g.ndim != 2:
+        raise ValueError(
+            "second_moment_normalize: g must be (B, k) per-sample gradients, got shape "
+            f"{tuple(g.shape)}."
+        )
+    stored = _State(state, keys, g)
+    v = _second_moment(stored, optimizer_type, hyperparameters)
+    grads = g.to(stored.dtype)
+    if optimizer_type == "Adafactor":
+        eps1 = _hyper(hyperparameters, "eps", (None, None))[0]
+        eps1 = torch.finfo(torch.float32).eps if eps1 is None else _scalar(eps1)
+        denominator = v.clamp_min(eps1 * eps1).sqrt()
+    else:
+        denominator = v.sqrt() + _scalar(_hyper(hyperparameters, "eps", 1e-8))
+    return (grads / denominator).to(torch.float32)

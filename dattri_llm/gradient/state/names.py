@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dattri_llm.gradient.ops.optimizer import OPTIMIZER_STATE_KEYS
+from dattri_llm.gradient.ops.optimizer import OPTIMIZER_STATE_KEYS, SECOND_MOMENT_STATE_KEYS
 
 __all__ = ["hf_trainer_param_names", "optimizer_from_state_dict", "optimizer_type"]
 
@@ -22,11 +22,14 @@ __all__ = ["hf_trainer_param_names", "optimizer_from_state_dict", "optimizer_typ
 def optimizer_type(optimizer: torch.optim.Optimizer) -> str:
     """First class name along the optimizer's MRO that is a key of ``OPTIMIZER_STATE_KEYS``.
 
+    Or of ``SECOND_MOMENT_STATE_KEYS`` (``"Adafactor"``: its state is read, e.g.
+    for ``ops.second_moment_normalize``, but it has no update map).
+
     Raises:
         NotImplementedError: no class in the MRO is a supported optimizer.
     """
     for cls in type(optimizer).__mro__:
-        if cls.__name__ in OPTIMIZER_STATE_KEYS:
+        if cls.__name__ in OPTIMIZER_STATE_KEYS or cls.__name__ in SECOND_MOMENT_STATE_KEYS:
             return cls.__name__
     raise NotImplementedError(
         f"optimizer type {type(optimizer).__name__} is not supported: its update is not one of "

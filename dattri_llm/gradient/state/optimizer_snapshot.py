@@ -26,7 +26,12 @@ import torch
 from torch import nn
 
 from dattri_llm.gradient.model.records import base_layer_name
-from dattri_llm.gradient.ops.optimizer import OPTIMIZER_STATE_KEYS, precondition
+from dattri_llm.gradient.ops.optimizer import (
+    OPTIMIZER_STATE_KEYS,
+    SECOND_MOMENT_STATE_KEYS,
+    adafactor_variance,
+    precondition,
+)
 from dattri_llm.gradient.ops.types import NORM_TYPES, detect_layer_type
 from dattri_llm.gradient.state.layout import _SUPPORTED_TYPES, _lay_out
 from dattri_llm.gradient.state.names import optimizer_type
@@ -185,8 +190,13 @@ class OptimizerSnapshot:
 
     @property
     def state_keys(self) -> tuple[str, ...]:
-        """The per-parameter state keys of this optimizer type (``OPTIMIZER_STATE_KEYS``)."""
-        return OPTIMIZER_STATE_KEYS[self.optimizer_type]
+        """The per-parameter state keys of this optimizer type (``OPTIMIZER_STATE_KEYS``).
+
+        Adafactor: ``("variance",)`` (``SECOND_MOMENT_STATE_KEYS``), its factored
+        moments of a matrix read as their rank-1 reconstruction.
+        """
+        kind = self.optimizer_type
+        return OPTIMIZER_STATE_KEYS.get(kind) or SECOND_MOMENT_STATE_KEYS[kind]
 
     @property
     def state_version(self) -> tuple[int, int, int]:
@@ -546,10 +556,36 @@ class OptimizerSnapshot:
             self._check_coordinates(layer_name, idx, include_bias)
         refs = self._refs(binding, include_bias)
         local = [self.optimizer.state.get(ref.param, {}) for _, ref in refs]
+        if self.optimizer_type == "Adafactor":
+            local = self._adafactor_states(layer_name, refs, local)
         with torch.no_grad():
             if any(ref.kind == "flat" for _, ref in refs):
                 return _gather_flat(binding.layer_type, refs, local, tuple(keys), idx)
             return _gather_local(binding.layer_type, refs, local, tuple(keys), idx)
+
+    def _adafactor_states(
+        self, layer_name: str, refs: list[tuple[str, _ParamRef]], local: list[dict]
+    ) -> list[dict]:
+        """Adafactor states with ``variance`` for every parameter (factored ones reconstructed).
+
+        Raises:
+            NotImplementedError: the layer is sharded (the factors of a shard are not
+                the shard of the factors).
+        """
+        if any(ref.kind != "local" for _, ref in refs):
+            raise NotImplementedError(
+                f"OptimizerSnapshot: layer {layer_name!r} is sharded (FSDP) and its Adafactor "
+                "state is factored per shard; read Adafactor state on an unsharded model."
+            )
+        eps1 = self.group(layer_name).get("eps", (None, None))[0]
+        out = []
+        for state in local:
+            if "row_var" in state and "col_var" in state:
+                with torch.no_grad():
+                    variance = adafactor_variance(state["row_var"], state["col_var"], eps1)
+                state = {**state, "variance": variance}
+            out.append(state)
+        return out
 
 
 _BOOKKEEPING = frozenset({"params", "param_names"})

@@ -14,12 +14,16 @@ from typing import Any
 import torch
 
 from dattri_llm.gradient.model.records import base_layer_name
-from dattri_llm.gradient.ops.optimizer import precondition
+from dattri_llm.gradient.ops.optimizer import precondition, second_moment_normalize
 from dattri_llm.gradient.ops.projection import mask_coordinates, project_materialized
 from dattri_llm.gradient.ops.projector import DattriProjector
 from dattri_llm.gradient.state.optimizer_snapshot import OptimizerSnapshot
 
-__all__ = ["GradientPreconditioner"]
+__all__ = ["PRECONDITION_RULES", "GradientPreconditioner"]
+
+# What the map computes: the optimizer's update direction (``ops.precondition``), or the
+# gradient over the optimizer's second-moment denominator (``ops.second_moment_normalize``).
+PRECONDITION_RULES = ("update", "second_moment")
 
 
 class GradientPreconditioner:
@@ -43,7 +47,10 @@ class GradientPreconditioner:
     with the layer's current state on those coordinates, ``step = state step +
     1`` and the weight's group hyperparameters; the result is float32. With
     ``enabled = False`` the map is skipped (the ``"dense"`` projection still
-    applies), so a raw pass can share the hooks. ``"logra"`` configs raise
+    applies), so a raw pass can share the hooks. :attr:`rule` ``"second_moment"``
+    maps with ``ops.second_moment_normalize`` instead (the gradient over the
+    optimizer's second-moment denominator; Adam, AdamW, Adafactor) and ignores
+    the step. ``"logra"`` configs raise
     ``ValueError`` (a preconditioned gradient is not rank-structured).
 
     Caching: with ``cache = True`` (default) each layer's state read
@@ -66,6 +73,7 @@ class GradientPreconditioner:
         self.snapshot = snapshot
         self.projector = DattriProjector.coerce(projector)
         self.enabled = True
+        self.rule = "update"
         self.cache = True
         self.loss_reduction: str | None = None
         self.loss_divisor = 1
@@ -196,6 +204,10 @@ class GradientPreconditioner:
         scale = self.sample_scale(entries.shape[0])
         if scale != 1.0:
             entries = entries * scale
+        if self.rule == "second_moment":
+            return second_moment_normalize(
+                entries, states, optimizer_type=self.snapshot.optimizer_type, **hyper
+            )
         return precondition(
             entries, states, optimizer_type=self.snapshot.optimizer_type, step=step + 1, **hyper
         )

@@ -173,7 +173,11 @@ def _assert_rows(score, expected, train, test, rtol):
 def test_matches_dense_unrolling_three_segments(case, tmp_path, curvature, damping):
     train, test, states, train_dirs, test_dir = case
     attributor = SourceAttributor(
-        _args(tmp_path), segment_learning_rates=RATES3, curvature=curvature, damping=damping
+        _args(tmp_path),
+        segment_learning_rates=RATES3,
+        curvature=curvature,
+        damping=damping,
+        keep_fits=True,
     )
     score = attributor.attribute_from_cache(train_dirs, test_dir)
     d = damping or 0.0
@@ -199,7 +203,7 @@ def test_single_segment_and_num_train(case, tmp_path, curvature):
     train, test, states, train_dirs, test_dir = case
     attributor = SourceAttributor(
         _args(tmp_path), segment_learning_rates={0: 0.7}, curvature=curvature, damping=0.01,
-        num_train=N_TRAIN,
+        num_train=N_TRAIN, keep_fits=True,
     )  # fmt: skip
     score = attributor.attribute_from_cache(train_dirs[2:], test_dir)
     expected = _reference(attributor, states[2:], train, test, [0.7], 0.01)
@@ -213,6 +217,7 @@ def test_small_rates_give_grad_dot(case, tmp_path):
     eps = 1e-7
     attributor = SourceAttributor(_args(tmp_path), segment_learning_rates=[eps] * 3)
     score = attributor.attribute_from_cache(train_dirs, test_dir)
+    assert attributor.raw_fits == [None] * 3  # keep_fits=False: released once scored
     q = dense_reference(_model_at(states[-1]), MLP_LAYERS, mlp_loss, test)
     for k, state in enumerate(states):
         g = dense_reference(_model_at(state), MLP_LAYERS, mlp_loss, train)
@@ -246,7 +251,9 @@ def test_zero_rate_segment_is_skipped(case, tmp_path):
     """``η̄_ℓ = 0``: ``r_ℓ = 0`` and ``S_ℓ = I``; the checkpoint is not fitted and gives no rows."""
     train, test, states, train_dirs, test_dir = case
     rates = [0.3, 0.0, 0.5]
-    attributor = SourceAttributor(_args(tmp_path), segment_learning_rates=rates, damping=0.05)
+    attributor = SourceAttributor(
+        _args(tmp_path), segment_learning_rates=rates, damping=0.05, keep_fits=True
+    )
     score = attributor.attribute_from_cache(train_dirs, test_dir)
     assert sorted(set(score.row_steps)) == [0, 2] and attributor.raw_fits[1] is None
     attributor.raw_fits[1] = attributor.raw_fits[2]  # any fit: S_1 = exp(0) = I
@@ -261,7 +268,12 @@ def test_live_matches_cache(case, tmp_path):
     model = _model_at(states[0])
     task = AttributionTask(dict_loss, model, checkpoints=list(states))
     attributor = SourceAttributor(
-        _args(tmp_path), task=task, segment_learning_rates=RATES3, curvature="ekfac", damping=0.05
+        _args(tmp_path),
+        task=task,
+        segment_learning_rates=RATES3,
+        curvature="ekfac",
+        damping=0.05,
+        keep_fits=True,
     )
     score = attributor.attribute(dict_samples(train), dict_samples(test))
     expected = _reference(attributor, states, train, test, RATES3, 0.05)

@@ -203,6 +203,9 @@ class SourceAttributor(BaseInnerProductAttributor):
         relative_damping: ``δ_X = damping · mean eigenvalue of X`` (EK-FAC:
             ``damping · mean(Λ)``), as the Kronecker attributors.
         num_train: ``N`` of the ``1/N`` factor (``None``: no division).
+        keep_fits: keep every segment's fit in :attr:`raw_fits` and
+            :attr:`segment_curvatures` after the call (``False``: only the
+            segment being scored is held, one K-FAC fit of memory).
 
     Raises:
         ValueError: rates invalid or not one per task checkpoint; an unknown
@@ -223,6 +226,7 @@ class SourceAttributor(BaseInnerProductAttributor):
         damping: float | None = None,
         relative_damping: bool = False,
         num_train: int | None = None,
+        keep_fits: bool = False,
     ) -> None:
         super().__init__(args, task=task)
         if curvature not in SOURCE_CURVATURES:
@@ -240,13 +244,15 @@ class SourceAttributor(BaseInnerProductAttributor):
         self.damping = float(damping)
         self.relative_damping = bool(relative_damping)
         self.num_train = None if num_train is None else int(num_train)
+        self.keep_fits = bool(keep_fits)
         fitter_cls = EKFACAttributor if curvature == "ekfac" else KFACAttributor
         self._fitter = fitter_cls(args)
         self._fitter.configure(damping=self.damping, relative_damping=self.relative_damping)
         self.raw_fits: list[dict[str, Any] | None] = []
-        """Damping-free fits per segment (K-FAC ``(A, G)``, EK-FAC ``{U_A, U_G, lam}``)."""
+        """Damping-free fits per segment (K-FAC ``(A, G)``, EK-FAC ``{U_A, U_G, lam}``);
+        ``None`` for a segment with ``η̄ = 0`` or, without ``keep_fits``, once scored."""
         self.segment_curvatures: list[dict[str, SegmentCurvature] | None] = []
-        """Damped curvature per segment and layer (:class:`SegmentCurvature`)."""
+        """Damped curvature per segment and layer (:class:`SegmentCurvature`), as ``raw_fits``."""
         self._response: dict[str, tuple[SegmentCurvature, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ entry points
@@ -402,6 +408,8 @@ class SourceAttributor(BaseInnerProductAttributor):
         self._response = {}
         propagators = {n: unrolled_propagator(c.eigenvalues, rate) for n, c in curv.items()}
         held.map(lambda n, v, _t: curv[n].apply(v, propagators[n]))
+        if not self.keep_fits:
+            self.raw_fits[k] = self.segment_curvatures[k] = None
         scaled = scores if self.num_train is None else scores / self.num_train
         return scaled, ids, [k] * len(ids), test_ids, None
 

@@ -19,7 +19,9 @@ eigendecompositions run in at least float32; ``sym_inverse`` / ``dense_inverse``
 return float32 and, as in the reference design, never refuse a singular matrix
 (``check_damped_curvature`` is the check for callers that must).
 
-This module holds the one-batch kernels and the damped inverses. The token rows
+This module holds the one-batch kernels, the damped inverses and functions
+``f(H)`` of a Kronecker curvature applied in its eigenbasis (SOURCE's
+propagator and response). The token rows
 live in ``kronecker_rows.py``; the accumulators (``kronecker_accumulators.py``,
 ``fisher_accumulators.py``, reduced across ranks by ``layer_sums.py``) are
 re-exported here. They take a canonical layer type or its short alias

@@ -83,12 +83,17 @@ def case(tmp_path_factory):
 def _dense_h(attributor, k, name, damping):
     """Dense ``H_ℓ`` of one layer from the attributor's damping-free fit (float64)."""
     raw = attributor.raw_fits[k][name]
+    relative = attributor.relative_damping
     if attributor.curvature == "kfac":
-        a_cov, g_cov = raw
-        eye = lambda m: torch.eye(m.shape[0], dtype=m.dtype)  # noqa: E731
-        return torch.kron(g_cov + damping * eye(g_cov), a_cov + damping * eye(a_cov))
+
+        def damped(m):
+            shift = damping * m.trace() / m.shape[0] if relative else damping
+            return m + shift * torch.eye(m.shape[0], dtype=m.dtype)
+
+        return torch.kron(damped(raw[1]), damped(raw[0]))
     rot = torch.kron(raw["U_G"], raw["U_A"])
-    return rot @ torch.diag(raw["lam"] + damping) @ rot.T
+    shift = damping * raw["lam"].mean() if relative else damping
+    return rot @ torch.diag(raw["lam"] + shift) @ rot.T
 
 
 def _response(h, rate):
@@ -209,6 +214,18 @@ def test_single_segment_and_num_train(case, tmp_path, curvature):
     expected = _reference(attributor, states[2:], train, test, [0.7], 0.01)
     _assert_rows(score, {0: expected[0] / N_TRAIN}, train, test, RTOL)
     assert score.algorithm_meta["num_train"] == N_TRAIN
+
+
+@pytest.mark.parametrize("curvature", ["kfac", "ekfac"])
+def test_relative_damping(case, tmp_path, curvature):
+    train, test, states, train_dirs, test_dir = case
+    attributor = SourceAttributor(
+        _args(tmp_path), segment_learning_rates=RATES3, curvature=curvature, damping=0.3,
+        relative_damping=True, keep_fits=True,
+    )  # fmt: skip
+    score = attributor.attribute_from_cache(train_dirs, test_dir)
+    _assert_rows(score, _reference(attributor, states, train, test, RATES3, 0.3), train, test, RTOL)
+    assert score.algorithm_meta["relative_damping"] is True
 
 
 def test_small_rates_give_grad_dot(case, tmp_path):

@@ -175,8 +175,10 @@ def _dense_rows(name: str, value: Any, layer_type: str) -> torch.Tensor | None:
     """
     if not is_kfac_eligible(layer_type):
         return None
-    if isinstance(value, torch.Tensor):
-        return token_summed_rows(value)
+    if isinstance(value, torch.Tensor):  # a copy: the held rows outlive the capture
+        return (
+            token_summed_rows(value) if value.dim() == 3 else value.reshape(len(value), -1).clone()
+        )
     try:
         return materialize(value, layer_type)
     except ValueError as error:

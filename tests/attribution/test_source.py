@@ -279,7 +279,8 @@ def test_zero_rate_segment_is_skipped(case, tmp_path):
     _assert_rows(score, {0: expected[0], 2: expected[2]}, train, test, RTOL)
 
 
-def test_live_matches_cache(case, tmp_path):
+@pytest.mark.parametrize("curvature", ["kfac", "ekfac"])
+def test_live_matches_cache(case, tmp_path, curvature):
     """``attribute`` over task checkpoints equals the dense reference (and the stores' run)."""
     train, test, states, train_dirs, test_dir = case
     model = _model_at(states[0])
@@ -288,7 +289,7 @@ def test_live_matches_cache(case, tmp_path):
         _args(tmp_path),
         task=task,
         segment_learning_rates=RATES3,
-        curvature="ekfac",
+        curvature=curvature,
         damping=0.05,
         keep_fits=True,
     )
@@ -300,7 +301,7 @@ def test_live_matches_cache(case, tmp_path):
         score.agnostic_matrix()[1].double(), total, rtol=RTOL, atol=RTOL * total.abs().max().item()
     )
     cached = SourceAttributor(
-        _args(tmp_path / "c"), segment_learning_rates=RATES3, curvature="ekfac", damping=0.05
+        _args(tmp_path / "c"), segment_learning_rates=RATES3, curvature=curvature, damping=0.05
     ).attribute_from_cache(train_dirs, test_dir)
     _assert_rows(cached, expected, train, test, RTOL)
 
@@ -340,3 +341,15 @@ def test_from_cache_validation(case, tmp_path):
         attributor.attribute_from_cache(train_dirs[0], test_dir)
     with pytest.raises(NotImplementedError, match="not available"):
         attributor.top_k_from_cache(train_dirs[:2], test_dir, 2)
+
+
+def test_dense_layers_without_factors_are_refused(case, tmp_path):
+    train, _test, states, _train_dirs, test_dir = case
+    dense = write_store(
+        tmp_path / "dense", _model_at(states[-1]), MLP_LAYERS, mlp_loss, train,
+        batch_sizes=[4, 2], materialize=True,
+    ).save_dir  # fmt: skip
+    attributor = SourceAttributor(_args(tmp_path / "o"), segment_learning_rates=[0.1])
+    with pytest.warns(UserWarning, match="dense empirical Fisher"):
+        with pytest.raises(ValueError, match="no Kronecker factors"):
+            attributor.attribute_from_cache([dense], test_dir)

@@ -9,6 +9,8 @@ a loop of single-sample backwards (``reference.py``).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from attribution_helpers import (
@@ -22,6 +24,7 @@ from attribution_helpers import (
     write_store,
 )
 from kfac_helpers import covariances, dict_loss, dict_samples, linear_rows
+from torch import nn
 
 from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
 from dattri_llm.attribution.algorithm.source import SourceAttributor
@@ -353,3 +356,46 @@ def test_dense_layers_without_factors_are_refused(case, tmp_path):
     with pytest.warns(UserWarning, match="dense empirical Fisher"):
         with pytest.raises(ValueError, match="no Kronecker factors"):
             attributor.attribute_from_cache([dense], test_dir)
+
+
+class _NormMLP(nn.Module):
+    """The MLP with a LayerNorm (no Kronecker factors) between the linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 5)
+        self.norm = nn.LayerNorm(5)
+        self.fc2 = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def test_layers_without_curvature_are_dropped_quietly(tmp_path):
+    """A hooked norm layer is not scored, and no one-sided-layer warning is raised."""
+    torch.manual_seed(0)
+    model = _NormMLP().double()
+    train, test = mlp_data(N_TRAIN, 1, torch.float64), mlp_data(N_TEST, 2, torch.float64)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    second = {k: v + 0.1 * torch.randn_like(v) for k, v in first.items()}
+    task = AttributionTask(dict_loss, model, checkpoints=[first, second])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attributor = SourceAttributor(
+            _args(tmp_path / "l"), task=task, segment_learning_rates=[0.2, 0.3]
+        )
+        live = attributor.attribute(dict_samples(train), dict_samples(test))
+    assert "norm" in attributor._hooked_layers and live.layer_name == list(MLP_LAYERS)
+    stores = []
+    for k, state in enumerate((first, second)):
+        model.load_state_dict(state)
+        stores.append(
+            write_store(tmp_path / f"t{k}", model, MLP_LAYERS, mlp_loss, train, batch_sizes=[4, 2])
+        )
+    te = write_store(tmp_path / "te", model, MLP_LAYERS, mlp_loss, test, batch_sizes=[3])
+    cached = SourceAttributor(
+        _args(tmp_path / "c"), segment_learning_rates=[0.2, 0.3]
+    ).attribute_from_cache([s.save_dir for s in stores], te.save_dir)
+    for k in (0, 1):
+        want = _rows(cached, train, test, k)
+        torch.testing.assert_close(_rows(live, None, None, k), want, rtol=RTOL, atol=1e-12)

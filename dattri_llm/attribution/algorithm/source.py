@@ -1,4 +1,6 @@
-"""SOURCE: training data attribution by approximate unrolling (Bae, Lin, Lorraine, Grosse 2024).
+"""SOURCE: attribution by approximate unrolling (Bae, Lin, Lorraine, Grosse 2024).
+
+The paper: "Training Data Attribution via Approximate Unrolled Differentiation".
 
 The training run is cut into ``L`` segments, one per task checkpoint. Within
 segment ``ℓ`` the curvature ``H_ℓ`` (K-FAC or EK-FAC, damped, fitted at the
@@ -163,6 +165,28 @@ class _HeldQueries:
     def map(self, fn: Callable[[str, torch.Tensor, str], torch.Tensor | None]) -> None:
         """Replace every block by ``block.map_layers(fn)``."""
         self.blocks = [(step, block.map_layers(fn), ids) for step, block, ids in self.blocks]
+
+
+class _CurvatureLayers:
+    """A training source restricted to the layers with a curvature (other attributes forwarded).
+
+    Layers SOURCE cannot score (norms, embeddings) are dropped before the
+    scoring pass sees them, as they are on the query side.
+    """
+
+    def __init__(self, source: GradientSource, names: set[str]) -> None:
+        self.source = source
+        self.names = names
+
+    def __iter__(self) -> Iterator[StreamBatch]:
+        for step, block, ids in self.source:
+            yield step, block.map_layers(lambda n, v, _t: v if n in self.names else None), ids
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getattr__(self, name: str) -> Any:  # reusable, hook_manager, file_manager, ...
+        return getattr(self.source, name)
 
 
 def _dense_rows(name: str, value: Any, layer_type: str) -> torch.Tensor | None:
@@ -366,7 +390,9 @@ class SourceAttributor(BaseInnerProductAttributor):
         self._verbose = verbose
         try:
             for k in self._bar(fitted[::-1], desc="SOURCE segments", unit="segment"):
-                results.append(self._segment(k, segment_source(k), held, rates[k], k == fitted[-1]))
+                source = segment_source(k)
+                ends = {"latest": k == fitted[-1], "earliest": k == fitted[0]}
+                results.append(self._segment(k, source, held, rates[k], **ends))
         finally:
             self._verbose = False
             self._response = {}
@@ -391,11 +417,19 @@ class SourceAttributor(BaseInnerProductAttributor):
         )
 
     def _segment(
-        self, k: int, source: GradientSource, held: _HeldQueries, rate: float, latest: bool
+        self,
+        k: int,
+        source: GradientSource,
+        held: _HeldQueries,
+        rate: float,
+        *,
+        latest: bool,
+        earliest: bool,
     ) -> ScoreResult:
         """Segment ``k``: fit ``H_k``, rows ``(r_k v)·g_k(z)`` (``/N``), then ``v ← S_k v``.
 
-        ``latest``: the first segment scored, whose fit decides the query layers kept.
+        ``latest``: the first segment scored, whose fit decides the query layers
+        kept; ``earliest``: the last one, after which ``v`` is not propagated.
         """
         context = source if hasattr(source, "__enter__") else contextlib.nullcontext()
         with context:
@@ -406,10 +440,12 @@ class SourceAttributor(BaseInnerProductAttributor):
             self._response = {
                 n: (c, unrolled_response(c.eigenvalues, rate)) for n, c in curv.items()
             }
-            scores, ids, _steps, test_ids, _tokens = self.score_sources(source, held)
+            selected = _CurvatureLayers(source, set(curv))
+            scores, ids, _steps, test_ids, _tokens = self.score_sources(selected, held)
         self._response = {}
-        propagators = {n: unrolled_propagator(c.eigenvalues, rate) for n, c in curv.items()}
-        held.map(lambda n, v, _t: curv[n].apply(v, propagators[n]))
+        if not earliest:
+            propagators = {n: unrolled_propagator(c.eigenvalues, rate) for n, c in curv.items()}
+            held.map(lambda n, v, _t: curv[n].apply(v, propagators[n]))
         if not self.keep_fits:
             self.raw_fits[k] = self.segment_curvatures[k] = None
         scaled = scores if self.num_train is None else scores / self.num_train

@@ -323,6 +323,12 @@ def test_validation(tmp_path):
         SourceAttributor(args, segment_learning_rates={1: 0.1, 2: 0.1})
     with pytest.raises(ValueError, match="sequence of floats"):
         SourceAttributor(args, segment_learning_rates=0.1)
+    with pytest.raises(ValueError, match="must be a float"):
+        SourceAttributor(args, segment_learning_rates=[0.1, "0.2"])
+    assert SourceAttributor(args, segment_learning_rates=(1, 0.5)).segment_learning_rates == [
+        1.0,
+        0.5,
+    ]
     with pytest.raises(ValueError, match="all 0"):
         SourceAttributor(args, segment_learning_rates=[0.0, 0.0])
     with pytest.raises(ValueError, match="empty"):

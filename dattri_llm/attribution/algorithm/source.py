@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -122,7 +123,7 @@ def segment_rates(rates: object, num_segments: int | None = None) -> list[float]
         raise ValueError("segment_learning_rates is empty; give one rate per checkpoint.")
     out = []
     for index, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ValueError(
                 f"segment_learning_rates[{index}] must be a float, got {type(value).__name__}."
             )

@@ -11,6 +11,7 @@ from dattri_llm.attribution.algorithm.kronecker import (
 )
 from dattri_llm.attribution.algorithm.less import LESSAttributor
 from dattri_llm.attribution.algorithm.lorif import LoRIFAttributor
+from dattri_llm.attribution.algorithm.source import SourceAttributor
 from dattri_llm.attribution.algorithm.stride import StrideAttributor, StrideConfig
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.algorithm.trackstar import TrackStarAttributor
@@ -28,6 +29,7 @@ __all__ = [
     "KroneckerAttributor",
     "LESSAttributor",
     "LoRIFAttributor",
+    "SourceAttributor",
     "StrideAttributor",
     "StrideConfig",
     "TRAKAttributor",

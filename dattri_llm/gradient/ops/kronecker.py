@@ -19,7 +19,9 @@ eigendecompositions run in at least float32; ``sym_inverse`` / ``dense_inverse``
 return float32 and, as in the reference design, never refuse a singular matrix
 (``check_damped_curvature`` is the check for callers that must).
 
-This module holds the one-batch kernels and the damped inverses. The token rows
+This module holds the one-batch kernels, the damped inverses and functions
+``f(H)`` of a Kronecker curvature applied in its eigenbasis (SOURCE's
+propagator and response). The token rows
 live in ``kronecker_rows.py``; the accumulators (``kronecker_accumulators.py``,
 ``fisher_accumulators.py``, reduced across ranks by ``layer_sums.py``) are
 re-exported here. They take a canonical layer type or its short alias
@@ -432,13 +434,84 @@ def ekfac_precondition(M: Tensor, U_A: Tensor, U_G: Tensor, lam: Tensor, layer_t
     ``U_G (M/lam) U_Aᵀ`` for linear/conv, ``U_A (M/lam) U_Gᵀ`` for conv-transpose,
     flattened in the materialize layout; ``lam`` broadcasts against one row.
     """
+    left, right, dtype, shape = _eigenbasis_layout(
+        M, U_A, U_G, lam, layer_type, "ekfac_precondition"
+    )
+    scaled = M.to(dtype).reshape(shape) / lam.to(dtype).reshape(shape[1:])
+    return (left.to(dtype) @ scaled @ right.to(dtype).T).reshape(M.shape[0], -1)
+
+
+def _eigenbasis_layout(
+    M: Tensor, U_A: Tensor, U_G: Tensor, values: Tensor, layer_type: str, fn: str
+) -> tuple[Tensor, Tensor, torch.dtype, tuple[int, int, int]]:
+    """``(left, right, dtype, (B, rows, cols))`` of eigen-coordinates ``M`` (``ValueError``)."""
     left, right = (U_A, U_G) if is_conv_transpose(layer_type) else (U_G, U_A)
-    dtype = floor_dtype(M, U_A, U_G, lam)
+    dtype = floor_dtype(M, U_A, U_G, values)
     shape = (M.shape[0], left.shape[0], right.shape[0])
     if M.reshape(M.shape[0], -1).shape[1] != shape[1] * shape[2]:
         raise ValueError(
-            f"ekfac_precondition({layer_type}): rows {tuple(M.shape)} do not match U_A "
+            f"{fn}({layer_type}): rows {tuple(M.shape)} do not match U_A "
             f"{tuple(U_A.shape)} and U_G {tuple(U_G.shape)}."
         )
-    scaled = M.to(dtype).reshape(shape) / lam.to(dtype).reshape(shape[1:])
-    return (left.to(dtype) @ scaled @ right.to(dtype).T).reshape(M.shape[0], -1)
+    return left, right, dtype, shape
+
+
+# --------------------------------------------------------------------------- functions of H
+
+
+def kfac_eigenvalues(s_A: Tensor, s_G: Tensor, layer_type: str) -> Tensor:
+    """Eigenvalues of ``A ⊗ G`` as eigen-coordinates ``(D·K,)`` (conv-transpose ``(K·D,)``).
+
+    ``s_A : (K,)`` and ``s_G : (D,)`` are the eigenvalues of ``A`` and ``G``
+    (:func:`kfac_eigh`); entry ``(d, k)`` is ``s_G[d]·s_A[k]``, matching
+    :func:`ekfac_materialize`'s coordinates.
+    """
+    if is_conv_transpose(layer_type):
+        return torch.outer(s_A, s_G).reshape(-1)
+    return torch.outer(s_G, s_A).reshape(-1)
+
+
+def eigenbasis_apply(
+    rows: Tensor, U_A: Tensor, U_G: Tensor, values: Tensor, layer_type: str
+) -> Tensor:
+    """``f(H)·vec(dW)`` of dense rows ``(B, d)`` for ``H = (U_G ⊗ U_A) diag(λ) (U_G ⊗ U_A)ᵀ``.
+
+    ``values = f(λ)`` in the eigen-coordinate layout (``(D·K,)``, as
+    :func:`kfac_eigenvalues` or EK-FAC's corrected eigenvalues): the rows are
+    rotated into the Kronecker eigenbasis (:func:`ekfac_materialize`),
+    multiplied by ``values`` and rotated back, ``(B, d)`` in the materialize
+    layout. ``values = 1/(λ+δ)`` is EK-FAC's preconditioner.
+    """
+    coords = ekfac_materialize(rows, layer_type, U_A, U_G)
+    left, right, dtype, shape = _eigenbasis_layout(
+        coords, U_A, U_G, values, layer_type, "eigenbasis_apply"
+    )
+    if values.numel() != shape[1] * shape[2]:
+        raise ValueError(
+            f"eigenbasis_apply({layer_type}): {values.numel()} values for an eigenbasis of "
+            f"{shape[1]}x{shape[2]} coordinates."
+        )
+    scaled = coords.to(dtype).reshape(shape) * values.to(dtype).reshape(shape[1:])
+    return (left.to(dtype) @ scaled @ right.to(dtype).T).reshape(rows.shape[0], -1)
+
+
+def unrolled_propagator(eigenvalues: Tensor, lr_sum: float) -> Tensor:
+    """``exp(−η̄·λ)``: how a stretch of SGD with total learning rate ``η̄`` damps each direction.
+
+    The closed form of ``Π_k (I − η_k H)`` for small steps on a quadratic with
+    stationary curvature ``H`` (eigenvalues ``λ``).
+    """
+    return torch.exp(-lr_sum * eigenvalues)
+
+
+def unrolled_response(eigenvalues: Tensor, lr_sum: float) -> Tensor:
+    """``(1 − exp(−η̄·λ))/λ``: the accumulated response to a constant gradient (``η̄`` at ``λ = 0``).
+
+    Computed as ``−expm1(−η̄λ)/λ`` (no cancellation for small ``η̄λ``), with
+    ``η̄·(1 − η̄λ/2)`` where ``|η̄λ| < 1e-12`` (its series); finite for every
+    real ``λ`` and bounded by ``η̄`` for ``λ ≥ 0``.
+    """
+    x = lr_sum * eigenvalues
+    small = x.abs() < 1e-12
+    safe = torch.where(small, torch.ones_like(eigenvalues), eigenvalues)
+    return torch.where(small, lr_sum * (1 - x / 2), -torch.expm1(-x) / safe)

@@ -41,6 +41,8 @@ __all__ = [
     "StoreArguments",
     "TopKArguments",
     "TrainArguments",
+    "VALIDATE_METRICS",
+    "ValidateArguments",
 ]
 
 TRAJECTORY_METHODS = ("trajectory_tracin", "dvemb", "adamw_influence")  # need `capture --train`
@@ -53,6 +55,7 @@ METHODS = (
 FIT_METHODS = ("kfac", "ekfac", "lorif")  # the methods whose fit `dattri-llm fit` persists
 LIVE_METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", STRIDE_METHOD)  # no --store
 # The StrideConfig fields the command line sets, each as the flag --stride_<field>.
+VALIDATE_METRICS = ("lds", "loo", "both")  # what `dattri-llm validate --metric` measures
 STRIDE_OPTIONS = (
     "rank", "num_subsets", "subsets_per_example", "injection", "layer", "steps", "lasso_lambda",
 )  # fmt: skip
@@ -558,6 +561,74 @@ class ReportArguments:
             raise ValueError(f"--format must be html, text or json, got {self.format!r}")
 
 
+@dataclass
+class ValidateArguments:
+    """What ``validate`` scores, against which retraining ground truth (LDS, LOO, recall@k)."""
+
+    scores: list[str] = field(
+        metadata={
+            "help": "Output directories of dattri-llm attribute runs (any method, stride "
+            "included) on this --train_data / --query_data: each saved score is measured, one "
+            "table row per directory; rows and queries are matched by sample id."
+        }
+    )
+    metric: str = field(
+        default="lds",
+        metadata={
+            "help": "lds | loo | both: the linear datamodeling score (retrains on random "
+            "subsets) and/or the leave-one-out Spearman correlation."
+        },
+    )
+    num_subsets: int = field(
+        default=32, metadata={"help": "LDS: random training subsets, one retrain each (>= 2)."}
+    )
+    alpha: float = field(
+        default=0.5, metadata={"help": "LDS: fraction of the training set in each subset."}
+    )
+    num_removed: int | None = field(
+        default=None,
+        metadata={
+            "help": "LOO: training samples left out, one retrain each plus the full run "
+            "(default: all); fewer are drawn at random with --seed."
+        },
+    )
+    planted: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSON file of the training samples planted for each query: a list with "
+            "one list per query (query file order), or an object {query id: list}; entries "
+            "are training ids or row indices. Adds recall@k."
+        },
+    )
+    k: int = field(default=10, metadata={"help": "With --planted: the k of recall@k."})
+    retrain_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where each finished retrain is saved at once (default: <output_dir>"
+            ".retrains beside the output directory). It outlives the run: a killed or repeated "
+            "validate with the same settings reuses every finished retrain."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        """``ValueError`` for a bad metric, size, fraction or ``k``."""
+        self.metric = self.metric.lower()
+        if self.metric not in VALIDATE_METRICS:
+            raise ValueError(
+                f"--metric must be one of {list(VALIDATE_METRICS)}, got {self.metric!r}"
+            )
+        if self.num_subsets < 2:
+            raise ValueError(f"--num_subsets must be >= 2, got {self.num_subsets}")
+        if not 0.0 < self.alpha < 1.0:
+            raise ValueError(f"--alpha must be a fraction in (0, 1), got {self.alpha}")
+        if self.num_removed is not None and self.num_removed < 1:
+            raise ValueError(f"--num_removed must be >= 1, got {self.num_removed}")
+        if self.k < 1:
+            raise ValueError(f"--k must be >= 1, got {self.k}")
+        if not self.scores:
+            raise ValueError("--scores needs at least one attribute run's output directory")
+
+
 COMMANDS: dict[str, tuple[str, tuple[type, ...]]] = {
     "plan": (
         "Predict a run's stores, fit and scoring memory and passes before running it.",
@@ -601,6 +672,11 @@ COMMANDS: dict[str, tuple[str, tuple[type, ...]]] = {
         "(from a capture's stores; an attribute run's saved score (--scores) gives unshaded "
         "tokens).",
         (RankSourceArguments, MethodArguments, ReportArguments, AttributionArguments),
+    ),
+    "validate": (
+        "Measure saved attribution scores against retraining on this data: fine-tune the "
+        "model on training subsets (LDS) or without single samples (LOO), resumably.",
+        (ModelArguments, DataArguments, ValidateArguments, AttributionArguments),
     ),
 }
 """Command → (one-line description, its dataclasses besides `RunArguments`)."""

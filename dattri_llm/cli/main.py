@@ -28,6 +28,7 @@ from dattri_llm.cli.parsing import parse, resolved_config
 from dattri_llm.cli.plan import run_plan
 from dattri_llm.cli.report import run_report
 from dattri_llm.cli.topk import run_top_k
+from dattri_llm.cli.validate import run_validate
 
 __all__ = ["main"]
 
@@ -99,6 +100,8 @@ def _run(command: str, argv: list[str]) -> None:
             message = run_plan(staging, args, *options, quiet=run.quiet)
         elif command == "report":
             message = run_report(staging, args, *options, quiet=run.quiet)
+        elif command == "validate":
+            message = run_validate(staging, args, *options, quiet=run.quiet, final=final)
         else:
             message = run_top_k(staging, args, *options, quiet=run.quiet)
     print(message)
@@ -116,6 +119,19 @@ def _absolute_paths(parsed: tuple[Any, ...]) -> None:
             value = getattr(instance, name, None)
             if isinstance(value, str) and Path(value).expanduser().exists():
                 setattr(instance, name, str(Path(value).expanduser().absolute()))
+            elif isinstance(value, list):  # validate's --scores: several directories
+                setattr(instance, name, [_absolute(v) for v in value])
+        for name in ("planted", "retrain_dir"):  # validate's: a retrain_dir may not exist yet
+            value = getattr(instance, name, None)
+            if isinstance(value, str):
+                setattr(instance, name, str(Path(value).expanduser().absolute()))
+
+
+def _absolute(value: Any) -> Any:
+    """``value`` as an absolute path when it is an existing local path, else unchanged."""
+    if isinstance(value, str) and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().absolute())
+    return value
 
 
 def _one_line(err: BaseException) -> str:

@@ -36,6 +36,9 @@ dattri-llm attribute --model ./my-model --train_data train.jsonl --query_data qu
                      --method graddot --output_dir ./live_scores
 dattri-llm attribute --model ./my-model --train_data train.jsonl --query_data queries.jsonl \\
                      --method stride --stride_steps 500 --output_dir ./stride_scores
+dattri-llm validate  --model ./my-model --train_data train.jsonl --query_data queries.jsonl \\
+                     --scores ./live_scores ./stride_scores --metric both --num_subsets 32 \\
+                     --num_removed 50 --learning_rate 1e-4 --output_dir ./validation
 ```
 
 Every option is a flag (`--name value`; a boolean also as `--name` alone) and
@@ -113,6 +116,26 @@ What each command writes:
   that cannot give token rows (materialized or projected captures) gives an
   unshaded page that says why (so do the trajectory methods: no token rows).
   `--format text|json` also writes and prints `top_k.txt` / `top_k.json`.
+* `validate`: `validation.json` (per `--scores` directory: each metric's mean,
+  95% bootstrap interval over queries and per-query values, with the LDS
+  subsets' settings and the LOO samples left out) and `validation.md` (the
+  table, also printed: method, LDS, LOO Spearman, recall@k), `config.yaml`.
+  It measures saved scores against retraining (`dattri_llm.evaluation`):
+  `--metric lds` retrains on `--num_subsets` random `--alpha` subsets of the
+  training set (subsets drawn with `--seed`, subset `m` trained with seed
+  `--seed + 1 + m`), `loo` once on everything and once without each of
+  `--num_removed` samples (default all; fewer are drawn with `--seed`), all
+  with `--seed`; `--planted` adds recall@`--k`. A retrain fine-tunes a fresh
+  copy of `--model` one epoch on its subset as `capture --train` trains (the
+  optimizer, learning rate, schedule, clipping, batch and accumulation
+  options), and a query's loss is its mean next-token loss. Scores are
+  matched to the data by sample id: every training sample and query must be
+  scored (any method, `stride` included). Each finished retrain is saved at
+  once under `--retrain_dir` (default `<output_dir>.retrains`, beside the
+  output directory so it survives a killed run): a rerun with the same
+  options trains only the missing retrains, and a later run scoring other
+  methods reuses them all; its `training.json` records the model, the data
+  and the training options, and a run with other ones is refused.
 
 Methods (`--method`): `graddot` (= `tracin`: `TracInAttributor`), `gradcos`
 (`TracInAttributor`, `normalized_grad=True`), `kfac` (`KFACAttributor`),

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from dattri_llm.attribution.arguments import AttributionArguments
-from dattri_llm.cli.arguments import COMMANDS, RunArguments
+from dattri_llm.cli.arguments import COMMANDS, RunArguments, ValidateArguments
 from dattri_llm.cli.attribute import run_attribute
 from dattri_llm.cli.capture import run_capture
 from dattri_llm.cli.errors import CLIError
@@ -28,7 +28,7 @@ from dattri_llm.cli.parsing import parse, resolved_config
 from dattri_llm.cli.plan import run_plan
 from dattri_llm.cli.report import run_report
 from dattri_llm.cli.topk import run_top_k
-from dattri_llm.cli.validate import run_validate
+from dattri_llm.cli.validate import default_retrain_dir, run_validate
 
 __all__ = ["main"]
 
@@ -77,6 +77,9 @@ def _run(command: str, argv: list[str]) -> None:
     final = check_output_dir(args.output_dir, run.overwrite)
     args.output_dir = str(final)
     _absolute_paths(parsed)
+    for instance in parsed:  # recorded, so that a replayed config reuses the same retrains
+        if isinstance(instance, ValidateArguments) and instance.retrain_dir is None:
+            instance.retrain_dir = str(default_retrain_dir(final))
     options = [p for p in parsed if not isinstance(p, (RunArguments, AttributionArguments))]
     checked = {"quiet": run.quiet, "force": run.force, "final": final}
     with staged_output(final, resolved_config(command, parsed)) as staging:

@@ -8,7 +8,8 @@ rows for one epoch, as ``capture --train`` trains: the library's
 is the sum of its samples' mean next-token losses), batches shuffled by the
 retrain's seed. The streamer captures per-sample gradients of one small layer
 only (it needs one hooked layer to step) and they are dropped. The query loss
-is the same per-sample mean next-token loss, in eval mode without gradients.
+is the same per-sample mean next-token loss, in eval mode without gradients
+(under ``--bf16`` / ``--fp16`` autocast when set).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dattri_llm.cli.data import TokenizedSet
 from dattri_llm.cli.errors import CLIError
 from dattri_llm.cli.model import causal_lm_loss, sample_losses
 from dattri_llm.gradient.hooks.config import HookManagerConfig, resolve_hook_assignments
-from dattri_llm.gradient.streaming import GradientStreamer, move_batch
+from dattri_llm.gradient.streaming import GradientStreamer, autocast_for, move_batch
 from dattri_llm.utils.atomic import atomic_write
 
 __all__ = ["SETUP_FILE", "TRAINING_FIELDS", "FineTuner", "check_setup"]
@@ -95,7 +96,9 @@ class FineTuner:
         for start in range(0, len(self.query_samples), size):
             chunk = self.query_samples[start : start + size]
             batch = move_batch({k: torch.stack([s[k] for s in chunk]) for k in chunk[0]}, device)
-            out.append(sample_losses(model, batch).detach().to("cpu", torch.float64))
+            with autocast_for(self.args):  # bf16 / fp16 as in training and the attribution
+                losses = sample_losses(model, batch)
+            out.append(losses.detach().to("cpu", torch.float64))
         model.to("cpu")
         return torch.cat(out)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ from dattri_llm.cli.scores import scores_config
 from dattri_llm.evaluation import (
     Interval,
     LDSConfig,
+    LDSGroundTruth,
+    LeaveOneOutResult,
     lds,
     lds_ground_truth,
     leave_one_out,
@@ -49,11 +52,15 @@ from dattri_llm.evaluation.subsets import ids_digest, subset_size
 
 __all__ = [
     "RESULT_FILE",
+    "GroundTruth",
     "TABLE_FILE",
     "check_score_ids",
     "default_retrain_dir",
+    "ground_truth",
+    "method_row",
     "planted_rows",
     "removed_rows",
+    "render_table",
     "run_validate",
 ]
 
@@ -192,6 +199,86 @@ def render_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class GroundTruth:
+    """The retraining ground truth of a validate run (``None``: that metric is not measured)."""
+
+    lds: LDSGroundTruth | None
+    loo: LeaveOneOutResult | None
+    trained: int  # retrains trained in this run (the others were read back)
+
+    @property
+    def total(self) -> int:
+        """Retrains the metrics rest on."""
+        lds_count = 0 if self.lds is None else len(self.lds.losses)
+        return lds_count + (0 if self.loo is None else len(self.loo.removed) + 1)
+
+
+def ground_truth(
+    tuner: FineTuner,
+    train_ids: list[str],
+    val_args: ValidateArguments,
+    seed: int,
+    retrain_dir: Path,
+    quiet: bool,
+) -> GroundTruth:
+    """LDS and / or LOO retrains of ``tuner`` under ``retrain_dir`` (``lds/``, ``loo/``)."""
+    trained = [0]
+
+    def train_fn(kept: list[int], retrain_seed: int) -> torch.nn.Module:
+        trained[0] += 1
+        return tuner.train(kept, retrain_seed)
+
+    truth = loo = None
+    if val_args.metric in ("lds", "both"):
+        config = LDSConfig(alpha=val_args.alpha, num_subsets=val_args.num_subsets, seed=seed)
+        truth = lds_ground_truth(
+            train_fn,
+            tuner.losses,
+            train_ids,
+            config,
+            out_dir=retrain_dir / "lds",
+            progress=not quiet,
+        )
+    if val_args.metric in ("loo", "both"):
+        loo = leave_one_out(
+            train_fn,
+            tuner.losses,
+            train_ids,
+            removed=removed_rows(len(train_ids), val_args.num_removed, seed),
+            seed=seed,
+            out_dir=retrain_dir / "loo",
+            progress=not quiet,
+        )
+    return GroundTruth(truth, loo, trained[0])
+
+
+def method_row(
+    directory: str,
+    score: AttributionScore,
+    truth: GroundTruth,
+    query_ids: list[str],
+    planted: list[list[int]] | None,
+    k: int,
+) -> dict[str, Any]:
+    """One ``validation.json`` entry: the score's metrics against ``truth``."""
+    row: dict[str, Any] = {
+        "scores": str(directory),
+        "name": Path(directory).name,
+        "algorithm": score.algorithm,
+        "polarity": score.polarity,
+    }
+    if truth.lds is not None:
+        row["lds"] = _interval(lds(score, truth.lds, test_ids=query_ids))
+    if truth.loo is not None:
+        row["loo"] = _interval(loo_correlation(score, truth.loo, test_ids=query_ids))
+    if planted is not None:
+        train_ids = truth.lds.train_ids if truth.lds is not None else truth.loo.train_ids
+        found = recall_at_k(score, planted, k, train_ids=train_ids, test_ids=query_ids)
+        row["recall_at_k"] = _interval(found)
+    return row
+
+
 def run_validate(
     staging: Path,
     args: AttributionArguments,
@@ -203,6 +290,8 @@ def run_validate(
     final: Path | None = None,
 ) -> str:
     """Retrain (resumably), score every ``--scores`` run, write the results; return the summary."""
+    if args.world_size > 1:
+        raise CLIError("validate retrains in one process; run it without torchrun / WORLD_SIZE")
     scores = []
     for directory in val_args.scores:
         scores_config(directory)
@@ -227,71 +316,30 @@ def run_validate(
         },
     )
     tuner = FineTuner(model, args, train, query)
-    counts = {"trained": 0}
-
-    def train_fn(kept: list[int], seed: int) -> torch.nn.Module:
-        counts["trained"] += 1
-        return tuner.train(kept, seed)
-
+    truth = ground_truth(tuner, train.ids, val_args, args.seed, retrain_dir, quiet)
     result: dict[str, Any] = {
         "metric": val_args.metric,
         "num_train": len(train.ids),
         "num_queries": len(query.ids),
         "query_ids": query.ids,
         "retrain_dir": str(retrain_dir),
-        "methods": [],
+        "methods": [
+            method_row(directory, score, truth, query.ids, planted, val_args.k)
+            for directory, score in scores
+        ],
     }
-    truth = loo = None
-    if val_args.metric in ("lds", "both"):
-        config = LDSConfig(alpha=val_args.alpha, num_subsets=val_args.num_subsets, seed=args.seed)
-        truth = lds_ground_truth(
-            train_fn,
-            tuner.losses,
-            train.ids,
-            config,
-            out_dir=retrain_dir / "lds",
-            progress=not quiet,
-        )
-        result["lds"] = {
-            **config.to_dict(),
-            "subset_size": subset_size(len(train.ids), config.alpha),
-        }
-    if val_args.metric in ("loo", "both"):
-        removed = removed_rows(len(train.ids), val_args.num_removed, args.seed)
-        loo = leave_one_out(
-            train_fn,
-            tuner.losses,
-            train.ids,
-            removed=removed,
-            seed=args.seed,
-            out_dir=retrain_dir / "loo",
-            progress=not quiet,
-        )
-        result["loo"] = {"seed": args.seed, "removed": removed, "correlation": "spearman"}
+    if truth.lds is not None:
+        config = truth.lds.config
+        size = subset_size(len(train.ids), config.alpha)
+        result["lds"] = {**config.to_dict(), "subset_size": size}
+    if truth.loo is not None:
+        result["loo"] = {"seed": args.seed, "removed": truth.loo.removed, "correlation": "spearman"}
     if planted is not None:
         result["recall"] = {"k": val_args.k, "planted": planted}
-    for directory, score in scores:
-        row: dict[str, Any] = {
-            "scores": str(directory),
-            "name": Path(directory).name,
-            "algorithm": score.algorithm,
-            "polarity": score.polarity,
-        }
-        if truth is not None:
-            row["lds"] = _interval(lds(score, truth, test_ids=query.ids))
-        if loo is not None:
-            row["loo"] = _interval(loo_correlation(score, loo, test_ids=query.ids))
-        if planted is not None:
-            found = recall_at_k(score, planted, val_args.k, train_ids=train.ids, test_ids=query.ids)
-            row["recall_at_k"] = _interval(found)
-        result["methods"].append(row)
     table = render_table(result)
     (staging / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     (staging / TABLE_FILE).write_text(table + "\n", encoding="utf-8")
-    total = (0 if truth is None else len(truth.losses)) + (
-        0 if loo is None else len(loo.removed) + 1
-    )
     return (
-        f"{table}\n{len(scores)} score(s) against {total} retrains "
-        f"({counts['trained']} trained now, {total - counts['trained']} reused from {retrain_dir})"
+        f"{table}\n{len(scores)} score(s) against {truth.total} retrains ({truth.trained} "
+        f"trained now, {truth.total - truth.trained} reused from {retrain_dir})"
     )

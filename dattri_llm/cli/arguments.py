@@ -20,8 +20,10 @@ from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 __all__ = [
     "COMMANDS",
     "FIT_METHODS",
+    "INFLUENCE_SOLVERS",
     "LESS_METHOD",
     "LIVE_METHODS",
+    "LIVE_ONLY_METHODS",
     "METHODS",
     "STRIDE_METHOD",
     "STRIDE_OPTIONS",
@@ -48,14 +50,17 @@ __all__ = [
 TRAJECTORY_METHODS = ("trajectory_tracin", "dvemb", "adamw_influence")  # need `capture --train`
 LESS_METHOD = "less"  # needs `capture --train --less` (Adam-preconditioned train gradients)
 STRIDE_METHOD = "stride"  # no per-sample gradients: live `attribute` only, no store
+LIVE_ONLY_METHODS = ("trak", "datainf", "influence")  # live `attribute` only, as STRIDE
+INFLUENCE_SOLVERS = ("cg", "lissa", "direct")  # influence: how (H + damping I)^-1 is applied
 METHODS = (
     "graddot", "tracin", "gradcos", "kfac", "ekfac", "lorif", *TRAJECTORY_METHODS, LESS_METHOD,
-    STRIDE_METHOD,
+    STRIDE_METHOD, *LIVE_ONLY_METHODS,
 )  # fmt: skip
 FIT_METHODS = ("kfac", "ekfac", "lorif")  # the methods whose fit `dattri-llm fit` persists
-LIVE_METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", STRIDE_METHOD)  # no --store
-# The StrideConfig fields the command line sets, each as the flag --stride_<field>.
+LIVE_METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", STRIDE_METHOD,
+                *LIVE_ONLY_METHODS)  # fmt: skip
 VALIDATE_METRICS = ("lds", "loo", "both")  # what `dattri-llm validate --metric` measures
+# The StrideConfig fields the command line sets, each as the flag --stride_<field>.
 STRIDE_OPTIONS = (
     "rank", "num_subsets", "subsets_per_example", "injection", "layer", "steps", "lasso_lambda",
 )  # fmt: skip
@@ -353,15 +358,24 @@ class MethodArguments:
             + ". trajectory_tracin, dvemb and adamw_influence score the run of a "
             "`capture --train` (adamw_influence: a more negative score is more helpful); "
             "less (LESS) the run of a `capture --train --less`. stride (STRIDE) needs no "
-            "gradients and runs only as a live attribute (--model, --train_data, --query_data)."
+            "gradients and runs only as a live attribute (--model, --train_data, --query_data), "
+            "as do trak (TRAK), datainf (DataInf) and influence (exact-Hessian influence "
+            "functions, small nn.Linear layers only)."
         },
     )
     damping: float | None = field(
         default=None,
         metadata={
-            "help": "kfac / ekfac / lorif damping (default: 1e-3 for kfac and ekfac; "
-            "0.1 x each layer's mean eigenvalue for lorif)."
+            "help": "kfac / ekfac / lorif / trak / datainf / influence damping (default: 1e-3 "
+            "for kfac, ekfac and influence; 0.1 x each layer's mean eigenvalue for lorif, "
+            "trak and datainf)."
         },
+    )
+    influence_solver: str = field(
+        default="cg", metadata={"help": "influence: cg | lissa | direct, how H^-1 is applied."}
+    )
+    influence_max_params: int = field(
+        default=20_000, metadata={"help": "influence: the most hooked parameters accepted."}
     )
     relative_damping: bool = field(
         default=False,
@@ -431,6 +445,15 @@ class MethodArguments:
             )
         if self.method == STRIDE_METHOD:
             self.stride_config()
+        if self.influence_solver not in INFLUENCE_SOLVERS:
+            raise ValueError(
+                f"--influence_solver must be one of {list(INFLUENCE_SOLVERS)}, "
+                f"got {self.influence_solver!r}"
+            )
+        if self.influence_max_params < 1:
+            raise ValueError(
+                f"--influence_max_params must be >= 1, got {self.influence_max_params}"
+            )
 
     def _stride_values(self) -> dict[str, Any]:
         """``{StrideConfig field: the value of its --stride_ flag}`` (``None``: not given)."""

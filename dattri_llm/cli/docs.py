@@ -105,9 +105,9 @@ What each command writes:
   the method keeps, the plan, `config.yaml`. Without `--store`, from `--model`,
   `--train_data` and `--query_data` (with the data and layer options of
   `capture`), it scores live (the method's `attribute(train, test)`; `graddot`,
-  `gradcos`, `kfac`, `ekfac`, `stride`) and writes no store: the same score as
-  `capture` then `attribute --store`. Both `--store` and the live options, or
-  neither, is refused.
+  `gradcos`, `kfac`, `ekfac`, `stride`, `trak`, `datainf`, `influence`) and
+  writes no store: the same score as `capture` then `attribute --store`. Both
+  `--store` and the live options, or neither, is refused.
 * `top-k`: `top_k.json` and `top_k.txt` (each query's k best training samples,
   with their texts), `config.yaml`; `--format` picks which one is printed.
 * `report`: `report.html` (`write_token_report`): each query's top-k training
@@ -154,6 +154,16 @@ recorded learning rate (times the clip coefficient) of its step. Its rows are
 rescaled after the pass, so `top-k` and `report` rank
 `attribute_from_cache(...).top_k(k)` (the whole score) and `report` leaves its
 tokens unshaded. The plan counts a trajectory method and `less` as `graddot`.
+
+`trak` (`TRAKAttributor`, TRAK: margin gradients, the `(ΦᵀΦ + λI)⁻¹` kernel,
+`1 − p` weights), `datainf` (`DataInfAttributor`, DataInf's closed-form
+per-layer inverse) and `influence` (`InfluenceFunctionAttributor`, the exact
+Hessian of the mean training loss, `--influence_solver cg|lissa|direct`, for
+small `nn.Linear` layers only: select them with `--linear_io`) run only as a
+live `attribute`; `--damping` sets their `λ`. DataInf and `influence` collect
+the gradients in memory first; `influence` runs the model with plain (eager)
+attention, as forward-mode differentiation needs. The commands that read a
+capture's stores refuse them.
 
 `stride` (`StrideAttributor`, STRIDE) needs no per-sample gradients: it fits
 one small steering operator per random training subset against the frozen

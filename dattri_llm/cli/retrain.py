@@ -6,10 +6,11 @@ rows for one epoch, as ``capture --train`` trains: the library's
 ``--optim``, ``--learning_rate``, ``--weight_decay``, the scheduler, warm-up,
 ``--max_grad_norm``, batch and accumulation sizes, bf16 / fp16; a batch's loss
 is the sum of its samples' mean next-token losses), batches shuffled by the
-retrain's seed. The streamer captures per-sample gradients of one small layer
-only (it needs one hooked layer to step) and they are dropped. The query loss
-is the same per-sample mean next-token loss, in eval mode without gradients
-(under ``--bf16`` / ``--fp16`` autocast when set).
+retrain's seed. The streamer captures per-sample gradients of one layer only
+(it needs one hooked layer to step; the input embedding where it can) and
+they are dropped. The query loss is the same per-sample mean next-token loss,
+in eval mode without gradients (under ``--bf16`` / ``--fp16`` autocast when
+set).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class FineTuner:
         self.args = args
         self.train_samples = train.samples
         self.query_samples = query.samples
-        self.hook_config = HookManagerConfig(hook_types=dict([_smallest_layer(model)]))
+        self.hook_config = HookManagerConfig(hook_types=dict([_hooked_layer(model)]))
 
     def train(self, kept: list[int], seed: int) -> nn.Module:
         """A fresh copy of the starting model fine-tuned one epoch on ``kept`` with ``seed``."""
@@ -103,17 +104,25 @@ class FineTuner:
         return torch.cat(out)
 
 
-def _smallest_layer(model: nn.Module) -> tuple[str, str]:
-    """``(name, family)`` of the hookable layer with the fewest parameters (linear_io first)."""
+def _hooked_layer(model: nn.Module) -> tuple[str, str]:
+    """``(name, family)`` of the one layer the training streamer hooks.
+
+    The input embedding when it is hookable (every forward uses it, and its
+    capture is small), else the hookable layer with the fewest parameters.
+    """
     layers = resolve_hook_assignments(model, HookManagerConfig())
     if not layers:
         raise CLIError("validate trains through the gradient streamer, which hooks no layer here")
+    getter = getattr(model, "get_input_embeddings", None)
+    embedding = getter() if callable(getter) else None
     modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if module is embedding and name in layers:
+            return name, layers[name]
 
     def size(item: tuple[str, str]) -> tuple[bool, int]:
         name, family = item
-        count = sum(p.numel() for p in modules[name].parameters())
-        return family != "linear_io", count
+        return family != "linear_io", sum(p.numel() for p in modules[name].parameters())
 
     return min(layers.items(), key=size)
 

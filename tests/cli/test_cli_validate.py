@@ -307,3 +307,30 @@ def test_errors_are_one_line(ws, tmp_path, capsys):
     bad.write_text(json.dumps([[0], [99]]))
     assert "row 99 is not in [0, 8)" in fails(validate_argv(ws, out, "--planted", str(bad)), capsys)
     nothing_written(out)
+
+
+def test_a_stride_score_is_measured_as_any_other(ws, full_run, monkeypatch, capsys):
+    stride = ws["root"] / "stride"
+    argv = ["attribute", "--model", str(ws["model"]), "--train_data", str(ws["train"]),
+            "--query_data", str(ws["query"]), "--method", "stride", "--stride_rank", "2",
+            "--stride_num_subsets", "6", "--stride_subsets_per_example", "2", "--stride_steps",
+            "2", "--use_cpu", "--quiet", "--output_dir", str(stride)]  # fmt: skip
+    assert main(argv) == 0
+    ws["stride"] = stride
+    monkeypatch.setattr(FineTuner, "train", no_training)  # the LDS retrains of full_run serve
+    out = ws["root"] / "with_stride"
+    retrain_dir = str(full_run.parent / "val.retrains")
+    argv = validate_argv(ws, out, "--retrain_dir", retrain_dir, scores=("stride", "graddot"))
+    assert main(argv) == 0
+    result = json.loads((out / "validation.json").read_text())
+    assert [row["algorithm"] for row in result["methods"]] == ["STRIDE", "TracIn"]
+    truth = lds_ground_truth(
+        no_training,
+        no_eval,
+        AttributionScore.load(ws["graddot"]).train_ids,
+        LDSConfig(alpha=0.5, num_subsets=4, seed=SEED),
+        out_dir=full_run.parent / "val.retrains/lds",
+    )
+    score = AttributionScore.load(stride)
+    assert result["methods"][0]["lds"] == as_dict(lds(score, truth, test_ids=result["query_ids"]))
+    capsys.readouterr()

@@ -48,12 +48,14 @@ from dattri_llm.evaluation import (
     loo_correlation,
     recall_at_k,
 )
+from dattri_llm.evaluation.retrain import DESIGN_FILE
 from dattri_llm.evaluation.subsets import ids_digest, subset_size
 
 __all__ = [
     "RESULT_FILE",
     "GroundTruth",
     "TABLE_FILE",
+    "check_design",
     "check_score_ids",
     "default_retrain_dir",
     "ground_truth",
@@ -199,6 +201,30 @@ def render_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_FLAGS = {"alpha": "--alpha", "num_subsets": "--num_subsets", "seed": "--seed"}
+
+
+def check_design(directory: Path, expected: dict[str, Any]) -> None:
+    """``CLIError`` when ``directory``'s saved design (``design.json``) has other settings.
+
+    The evaluation refuses such a directory too; this names the flags to change.
+    """
+    path = directory / DESIGN_FILE
+    if not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return  # the evaluation reports the unreadable file
+    diff = [key for key in expected if isinstance(saved, dict) and saved.get(key) != expected[key]]
+    if diff:
+        shown = ", ".join(f"{_FLAGS[k]} {saved.get(k)!r} (now {expected[k]!r})" for k in diff)
+        raise CLIError(
+            f"--retrain_dir {directory.parent} holds {directory.name} retrains made with "
+            f"{shown}; pass the same to reuse them, or another --retrain_dir"
+        )
+
+
 @dataclass
 class GroundTruth:
     """The retraining ground truth of a validate run (``None``: that metric is not measured)."""
@@ -232,6 +258,7 @@ def ground_truth(
     truth = loo = None
     if val_args.metric in ("lds", "both"):
         config = LDSConfig(alpha=val_args.alpha, num_subsets=val_args.num_subsets, seed=seed)
+        check_design(retrain_dir / "lds", config.to_dict())
         truth = lds_ground_truth(
             train_fn,
             tuner.losses,
@@ -241,6 +268,7 @@ def ground_truth(
             progress=not quiet,
         )
     if val_args.metric in ("loo", "both"):
+        check_design(retrain_dir / "loo", {"seed": seed})
         loo = leave_one_out(
             train_fn,
             tuner.losses,

@@ -259,6 +259,16 @@ def test_a_replayed_config_reuses_the_retrains(ws, full_run, monkeypatch, capsys
     assert replayed == (full_run / "validation.json").read_text()
 
 
+def test_other_lds_settings_are_refused_naming_the_flag(ws, full_run, capsys):
+    out = ws["root"] / "more_subsets"
+    retrain_dir = full_run.parent / "val.retrains"
+    err = fails(
+        validate_argv(ws, out, "--retrain_dir", str(retrain_dir), "--alpha", "0.25"), capsys
+    )
+    assert f"--retrain_dir {retrain_dir} holds lds retrains made with --alpha 0.5 (now 0.25)" in err
+    nothing_written(out)
+
+
 def test_lds_only_by_default_and_one_scores_dir(ws, full_run, capsys):
     out = ws["root"] / "lds_only"
     argv = validate_argv(ws, out, "--retrain_dir", str(full_run.parent / "val.retrains"),

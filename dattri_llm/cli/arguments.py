@@ -20,8 +20,10 @@ from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 __all__ = [
     "COMMANDS",
     "FIT_METHODS",
+    "INFLUENCE_SOLVERS",
     "LESS_METHOD",
     "LIVE_METHODS",
+    "LIVE_ONLY_METHODS",
     "METHODS",
     "STRIDE_METHOD",
     "STRIDE_OPTIONS",
@@ -41,17 +43,23 @@ __all__ = [
     "StoreArguments",
     "TopKArguments",
     "TrainArguments",
+    "VALIDATE_METRICS",
+    "ValidateArguments",
 ]
 
 TRAJECTORY_METHODS = ("trajectory_tracin", "dvemb", "adamw_influence")  # need `capture --train`
 LESS_METHOD = "less"  # needs `capture --train --less` (Adam-preconditioned train gradients)
 STRIDE_METHOD = "stride"  # no per-sample gradients: live `attribute` only, no store
+LIVE_ONLY_METHODS = ("trak", "datainf", "influence")  # live `attribute` only, as STRIDE
+INFLUENCE_SOLVERS = ("cg", "lissa", "direct")  # influence: how (H + damping I)^-1 is applied
 METHODS = (
     "graddot", "tracin", "gradcos", "kfac", "ekfac", "lorif", *TRAJECTORY_METHODS, LESS_METHOD,
-    STRIDE_METHOD,
+    STRIDE_METHOD, *LIVE_ONLY_METHODS,
 )  # fmt: skip
 FIT_METHODS = ("kfac", "ekfac", "lorif")  # the methods whose fit `dattri-llm fit` persists
-LIVE_METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", STRIDE_METHOD)  # no --store
+LIVE_METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", STRIDE_METHOD,
+                *LIVE_ONLY_METHODS)  # fmt: skip
+VALIDATE_METRICS = ("lds", "loo", "both")  # what `dattri-llm validate --metric` measures
 # The StrideConfig fields the command line sets, each as the flag --stride_<field>.
 STRIDE_OPTIONS = (
     "rank", "num_subsets", "subsets_per_example", "injection", "layer", "steps", "lasso_lambda",
@@ -350,15 +358,24 @@ class MethodArguments:
             + ". trajectory_tracin, dvemb and adamw_influence score the run of a "
             "`capture --train` (adamw_influence: a more negative score is more helpful); "
             "less (LESS) the run of a `capture --train --less`. stride (STRIDE) needs no "
-            "gradients and runs only as a live attribute (--model, --train_data, --query_data)."
+            "gradients and runs only as a live attribute (--model, --train_data, --query_data), "
+            "as do trak (TRAK), datainf (DataInf) and influence (exact-Hessian influence "
+            "functions, small nn.Linear layers only)."
         },
     )
     damping: float | None = field(
         default=None,
         metadata={
-            "help": "kfac / ekfac / lorif damping (default: 1e-3 for kfac and ekfac; "
-            "0.1 x each layer's mean eigenvalue for lorif)."
+            "help": "kfac / ekfac / lorif / trak / datainf / influence damping (default: 1e-3 "
+            "for kfac, ekfac and influence; 0.1 x each layer's mean eigenvalue for lorif, "
+            "trak and datainf)."
         },
+    )
+    influence_solver: str = field(
+        default="cg", metadata={"help": "influence: cg | lissa | direct, how H^-1 is applied."}
+    )
+    influence_max_params: int = field(
+        default=20_000, metadata={"help": "influence: the most hooked parameters accepted."}
     )
     relative_damping: bool = field(
         default=False,
@@ -428,6 +445,15 @@ class MethodArguments:
             )
         if self.method == STRIDE_METHOD:
             self.stride_config()
+        if self.influence_solver not in INFLUENCE_SOLVERS:
+            raise ValueError(
+                f"--influence_solver must be one of {list(INFLUENCE_SOLVERS)}, "
+                f"got {self.influence_solver!r}"
+            )
+        if self.influence_max_params < 1:
+            raise ValueError(
+                f"--influence_max_params must be >= 1, got {self.influence_max_params}"
+            )
 
     def _stride_values(self) -> dict[str, Any]:
         """``{StrideConfig field: the value of its --stride_ flag}`` (``None``: not given)."""
@@ -558,6 +584,74 @@ class ReportArguments:
             raise ValueError(f"--format must be html, text or json, got {self.format!r}")
 
 
+@dataclass
+class ValidateArguments:
+    """What ``validate`` scores, against which retraining ground truth (LDS, LOO, recall@k)."""
+
+    scores: list[str] = field(
+        metadata={
+            "help": "Output directories of dattri-llm attribute runs (any method, stride "
+            "included) on this --train_data / --query_data: each saved score is measured, one "
+            "table row per directory; rows and queries are matched by sample id."
+        }
+    )
+    metric: str = field(
+        default="lds",
+        metadata={
+            "help": "lds | loo | both: the linear datamodeling score (retrains on random "
+            "subsets) and/or the leave-one-out Spearman correlation."
+        },
+    )
+    num_subsets: int = field(
+        default=32, metadata={"help": "LDS: random training subsets, one retrain each (>= 2)."}
+    )
+    alpha: float = field(
+        default=0.5, metadata={"help": "LDS: fraction of the training set in each subset."}
+    )
+    num_removed: int | None = field(
+        default=None,
+        metadata={
+            "help": "LOO: training samples left out, one retrain each plus the full run "
+            "(default: all); fewer are drawn at random with --seed."
+        },
+    )
+    planted: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSON file of the training samples planted for each query: a list with "
+            "one list per query (query file order), or an object {query id: list}; entries "
+            "are training ids or row indices. Adds recall@k."
+        },
+    )
+    k: int = field(default=10, metadata={"help": "With --planted: the k of recall@k."})
+    retrain_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where each finished retrain is saved at once (default: <output_dir>"
+            ".retrains beside the output directory). It outlives the run: a killed or repeated "
+            "validate with the same settings reuses every finished retrain."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        """``ValueError`` for a bad metric, size, fraction or ``k``."""
+        self.metric = self.metric.lower()
+        if self.metric not in VALIDATE_METRICS:
+            raise ValueError(
+                f"--metric must be one of {list(VALIDATE_METRICS)}, got {self.metric!r}"
+            )
+        if self.num_subsets < 2:
+            raise ValueError(f"--num_subsets must be >= 2, got {self.num_subsets}")
+        if not 0.0 < self.alpha < 1.0:
+            raise ValueError(f"--alpha must be a fraction in (0, 1), got {self.alpha}")
+        if self.num_removed is not None and self.num_removed < 1:
+            raise ValueError(f"--num_removed must be >= 1, got {self.num_removed}")
+        if self.k < 1:
+            raise ValueError(f"--k must be >= 1, got {self.k}")
+        if not self.scores:
+            raise ValueError("--scores needs at least one attribute run's output directory")
+
+
 COMMANDS: dict[str, tuple[str, tuple[type, ...]]] = {
     "plan": (
         "Predict a run's stores, fit and scoring memory and passes before running it.",
@@ -601,6 +695,11 @@ COMMANDS: dict[str, tuple[str, tuple[type, ...]]] = {
         "(from a capture's stores; an attribute run's saved score (--scores) gives unshaded "
         "tokens).",
         (RankSourceArguments, MethodArguments, ReportArguments, AttributionArguments),
+    ),
+    "validate": (
+        "Measure saved attribution scores against retraining on this data: fine-tune the "
+        "model on training subsets (LDS) or without single samples (LOO), resumably.",
+        (ModelArguments, DataArguments, ValidateArguments, AttributionArguments),
     ),
 }
 """Command → (one-line description, its dataclasses besides `RunArguments`)."""

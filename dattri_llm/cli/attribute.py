@@ -10,7 +10,11 @@ fitting here, bit for bit). The trajectory methods need a trained capture
 Live (``--model``, ``--train_data`` and ``--query_data`` instead of
 ``--store``): loads the model and data as ``capture`` does and runs the
 method's ``attribute(train, test)`` (Grad-Dot, Grad-Cos, K-FAC, EK-FAC), no
-store written; the same score as ``capture`` + ``attribute --store``.
+store written; the same score as ``capture`` + ``attribute --store``. TRAK,
+DataInf and the exact-Hessian influence functions run live only (TRAK's
+``1 − p`` weights come from the training forward; DataInf and the influence
+functions collect the gradients in memory first, the influence Hessian being
+that of the mean training loss over the training samples).
 
 STRIDE (``--method stride``) runs live only: it captures no gradients, so it
 reads no store, makes no run plan and takes no layer selection; its
@@ -168,6 +172,10 @@ def _live_score(
     if method_args.method == STRIDE_METHOD:
         check_stride_options(capture_args, method_args)
     model, _tokenizer, _layers, sets = load_inputs(model_args, data_args, capture_args, quiet=quiet)
+    if method_args.method == "influence" and hasattr(model, "set_attn_implementation"):
+        # The Hessian-vector products use forward-mode AD, which fused attention kernels
+        # (scaled_dot_product_attention) do not implement: the plain attention computes the same.
+        model.set_attn_implementation("eager")
     task = AttributionTask(loss_func=causal_lm_loss, model=model)
     if method_args.method == STRIDE_METHOD:
         return _stride_score(args, task, sets, method_args, quiet)
@@ -182,7 +190,9 @@ def _live_score(
         quiet=quiet,
         reuses_fit=method_args.fit is not None,
     )
-    attributor, options = build_attributor(args, method_args, task=task)
+    attributor, options = build_attributor(
+        args, method_args, task=task, train_samples=sets["train"].samples
+    )
     return attributor.attribute(
         sets["train"].samples,
         sets["query"].samples,

@@ -36,6 +36,9 @@ dattri-llm attribute --model ./my-model --train_data train.jsonl --query_data qu
                      --method graddot --output_dir ./live_scores
 dattri-llm attribute --model ./my-model --train_data train.jsonl --query_data queries.jsonl \\
                      --method stride --stride_steps 500 --output_dir ./stride_scores
+dattri-llm validate  --model ./my-model --train_data train.jsonl --query_data queries.jsonl \\
+                     --scores ./live_scores ./stride_scores --metric both --num_subsets 32 \\
+                     --num_removed 50 --learning_rate 1e-4 --output_dir ./validation
 ```
 
 Every option is a flag (`--name value`; a boolean also as `--name` alone) and
@@ -102,9 +105,9 @@ What each command writes:
   the method keeps, the plan, `config.yaml`. Without `--store`, from `--model`,
   `--train_data` and `--query_data` (with the data and layer options of
   `capture`), it scores live (the method's `attribute(train, test)`; `graddot`,
-  `gradcos`, `kfac`, `ekfac`, `stride`) and writes no store: the same score as
-  `capture` then `attribute --store`. Both `--store` and the live options, or
-  neither, is refused.
+  `gradcos`, `kfac`, `ekfac`, `stride`, `trak`, `datainf`, `influence`) and
+  writes no store: the same score as `capture` then `attribute --store`. Both
+  `--store` and the live options, or neither, is refused.
 * `top-k`: `top_k.json` and `top_k.txt` (each query's k best training samples,
   with their texts), `config.yaml`; `--format` picks which one is printed.
 * `report`: `report.html` (`write_token_report`): each query's top-k training
@@ -113,6 +116,26 @@ What each command writes:
   that cannot give token rows (materialized or projected captures) gives an
   unshaded page that says why (so do the trajectory methods: no token rows).
   `--format text|json` also writes and prints `top_k.txt` / `top_k.json`.
+* `validate`: `validation.json` (per `--scores` directory: each metric's mean,
+  95% bootstrap interval over queries and per-query values, with the LDS
+  subsets' settings and the LOO samples left out) and `validation.md` (the
+  table, also printed: method, LDS, LOO Spearman, recall@k), `config.yaml`.
+  It measures saved scores against retraining (`dattri_llm.evaluation`):
+  `--metric lds` retrains on `--num_subsets` random `--alpha` subsets of the
+  training set (subsets drawn with `--seed`, subset `m` trained with seed
+  `--seed + 1 + m`), `loo` once on everything and once without each of
+  `--num_removed` samples (default all; fewer are drawn with `--seed`), all
+  with `--seed`; `--planted` adds recall@`--k`. A retrain fine-tunes a fresh
+  copy of `--model` one epoch on its subset as `capture --train` trains (the
+  optimizer, learning rate, schedule, clipping, batch and accumulation
+  options), and a query's loss is its mean next-token loss. Scores are
+  matched to the data by sample id: every training sample and query must be
+  scored (any method, `stride` included). Each finished retrain is saved at
+  once under `--retrain_dir` (default `<output_dir>.retrains`, beside the
+  output directory so it survives a killed run): a rerun with the same
+  options trains only the missing retrains, and a later run scoring other
+  methods reuses them all; its `training.json` records the model, the data
+  and the training options, and a run with other ones is refused.
 
 Methods (`--method`): `graddot` (= `tracin`: `TracInAttributor`), `gradcos`
 (`TracInAttributor`, `normalized_grad=True`), `kfac` (`KFACAttributor`),
@@ -131,6 +154,16 @@ recorded learning rate (times the clip coefficient) of its step. Its rows are
 rescaled after the pass, so `top-k` and `report` rank
 `attribute_from_cache(...).top_k(k)` (the whole score) and `report` leaves its
 tokens unshaded. The plan counts a trajectory method and `less` as `graddot`.
+
+`trak` (`TRAKAttributor`, TRAK: margin gradients, the `(ΦᵀΦ + λI)⁻¹` kernel,
+`1 − p` weights), `datainf` (`DataInfAttributor`, DataInf's closed-form
+per-layer inverse) and `influence` (`InfluenceFunctionAttributor`, the exact
+Hessian of the mean training loss, `--influence_solver cg|lissa|direct`, for
+small `nn.Linear` layers only: select them with `--linear_io`) run only as a
+live `attribute`; `--damping` sets their `λ`. DataInf and `influence` collect
+the gradients in memory first; `influence` runs the model with plain (eager)
+attention, as forward-mode differentiation needs. The commands that read a
+capture's stores refuse them.
 
 `stride` (`StrideAttributor`, STRIDE) needs no per-sample gradients: it fits
 one small steering operator per random training subset against the frozen

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from dattri_llm.attribution.arguments import AttributionArguments
-from dattri_llm.cli.arguments import COMMANDS, RunArguments
+from dattri_llm.cli.arguments import COMMANDS, RunArguments, ValidateArguments
 from dattri_llm.cli.attribute import run_attribute
 from dattri_llm.cli.capture import run_capture
 from dattri_llm.cli.errors import CLIError
@@ -28,6 +28,7 @@ from dattri_llm.cli.parsing import parse, resolved_config
 from dattri_llm.cli.plan import run_plan
 from dattri_llm.cli.report import run_report
 from dattri_llm.cli.topk import run_top_k
+from dattri_llm.cli.validate import default_retrain_dir, run_validate
 
 __all__ = ["main"]
 
@@ -76,6 +77,9 @@ def _run(command: str, argv: list[str]) -> None:
     final = check_output_dir(args.output_dir, run.overwrite)
     args.output_dir = str(final)
     _absolute_paths(parsed)
+    for instance in parsed:  # recorded, so that a replayed config reuses the same retrains
+        if isinstance(instance, ValidateArguments) and instance.retrain_dir is None:
+            instance.retrain_dir = str(default_retrain_dir(final))
     options = [p for p in parsed if not isinstance(p, (RunArguments, AttributionArguments))]
     checked = {"quiet": run.quiet, "force": run.force, "final": final}
     with staged_output(final, resolved_config(command, parsed)) as staging:
@@ -99,6 +103,8 @@ def _run(command: str, argv: list[str]) -> None:
             message = run_plan(staging, args, *options, quiet=run.quiet)
         elif command == "report":
             message = run_report(staging, args, *options, quiet=run.quiet)
+        elif command == "validate":
+            message = run_validate(staging, args, *options, quiet=run.quiet, final=final)
         else:
             message = run_top_k(staging, args, *options, quiet=run.quiet)
     print(message)
@@ -116,6 +122,19 @@ def _absolute_paths(parsed: tuple[Any, ...]) -> None:
             value = getattr(instance, name, None)
             if isinstance(value, str) and Path(value).expanduser().exists():
                 setattr(instance, name, str(Path(value).expanduser().absolute()))
+            elif isinstance(value, list):  # validate's --scores: several directories
+                setattr(instance, name, [_absolute(v) for v in value])
+        for name in ("planted", "retrain_dir"):  # validate's: a retrain_dir may not exist yet
+            value = getattr(instance, name, None)
+            if isinstance(value, str):
+                setattr(instance, name, str(Path(value).expanduser().absolute()))
+
+
+def _absolute(value: Any) -> Any:
+    """``value`` as an absolute path when it is an existing local path, else unchanged."""
+    if isinstance(value, str) and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().absolute())
+    return value
 
 
 def _one_line(err: BaseException) -> str:

@@ -12,13 +12,16 @@ from dattri_llm.attribution.algorithm.adamw_influence import (
     ADAMW_DYNAMICS_FILE,
     AdamWInfluenceAttributor,
 )
+from dattri_llm.attribution.algorithm.datainf import DataInfAttributor
 from dattri_llm.attribution.algorithm.dvemb import DVEmbAttributor
+from dattri_llm.attribution.algorithm.influence import InfluenceFunctionAttributor
 from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
 from dattri_llm.attribution.algorithm.kronecker.persistence import FISHER_FILE
 from dattri_llm.attribution.algorithm.less import LESSAttributor
 from dattri_llm.attribution.algorithm.lorif import FIT_FILE, LoRIFAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
 from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
+from dattri_llm.attribution.algorithm.trak import TRAKAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.attribution.score import AttributionScore
@@ -26,6 +29,7 @@ from dattri_llm.attribution.topk import TopK
 from dattri_llm.cli.arguments import (
     FIT_METHODS,
     LESS_METHOD,
+    LIVE_ONLY_METHODS,
     STRIDE_METHOD,
     TRAJECTORY_METHODS,
     MethodArguments,
@@ -42,6 +46,7 @@ __all__ = [
     "check_not_stride",
     "check_store_method",
     "fit_file",
+    "live_only_attributor",
     "rank_top_k",
     "reused_fit",
     "score_top_k",
@@ -88,12 +93,21 @@ _STRIDE_REFUSALS = {
 
 
 def check_not_stride(method: str, command: str) -> None:
-    """``CLIError`` when ``method`` is stride and ``command`` would read or plan a store.
+    """``CLIError`` when ``method`` runs live only and ``command`` would read or plan a store.
 
     STRIDE keeps no per-sample gradients: only a live ``attribute`` runs it.
+    TRAK (its ``1 − p`` weights come from the live training forward), DataInf
+    and the exact-Hessian influence functions (several passes, or the model,
+    over the training gradients) are served live only too.
     """
     if method == STRIDE_METHOD:
         raise CLIError(_STRIDE_REFUSALS[command])
+    if method in LIVE_ONLY_METHODS:
+        raise CLIError(
+            f"{method} runs only as a live attribute: `dattri-llm attribute --method {method} "
+            "--model M --train_data T --query_data Q`"
+            + ("" if command == "attribute" else f"; {command} --store does not serve it")
+        )
 
 
 def fit_file(method: str) -> str:
@@ -169,12 +183,14 @@ def build_attributor(
     method: MethodArguments,
     store: str | None = None,
     task: AttributionTask | None = None,
+    train_samples: list[dict[str, torch.Tensor]] | None = None,
 ) -> tuple[BaseInnerProductAttributor, dict[str, Any]]:
     """``(attributor, keywords of attribute_from_cache / top_k_from_cache)`` of a method.
 
     With ``--fit`` the keywords include its ``fit_dir`` (checked by :func:`reused_fit`).
     With ``store`` (a capture) the method is checked against it first
-    (:func:`check_store_method`). ``task``: the model and loss of a live run.
+    (:func:`check_store_method`). ``task``: the model and loss of a live run;
+    ``train_samples``: its training samples (the influence functions' Hessian).
     """
     name = method.method
     if store is not None:
@@ -192,6 +208,10 @@ def build_attributor(
             "adamw_influence": AdamWInfluenceAttributor,
         }[name]
         return cls(args, task=task), dict(TRAJECTORY_KEYWORDS[name])
+    if name in LIVE_ONLY_METHODS:
+        if method.fit is not None:
+            check_fit_method(name, "--fit")
+        return live_only_attributor(args, method, task, train_samples)
     fit_dir = reused_fit(method)
     extra = {} if fit_dir is None else {"fit_dir": fit_dir}
     if name in ("graddot", "tracin", "gradcos"):
@@ -216,6 +236,40 @@ def build_attributor(
         damping=method.damping,
     )
     return attributor, extra
+
+
+def live_only_attributor(
+    args: AttributionArguments,
+    method: MethodArguments,
+    task: AttributionTask | None,
+    train_samples: list[dict[str, torch.Tensor]] | None = None,
+) -> tuple[BaseInnerProductAttributor, dict[str, Any]]:
+    """``(attributor, keywords of its live attribute)`` of trak, datainf or influence.
+
+    DataInf and the influence functions score from gradients collected in
+    memory first (``gradient_cache_residency="memory"``): DataInf passes over
+    the training gradients several times, and the influence functions' Hessian
+    products run the model free of capture hooks. The influence Hessian is that
+    of the mean training loss over ``train_samples`` (one sample per batch).
+    """
+    if method.method == "trak":
+        return TRAKAttributor(args, task=task, damping=method.damping), {}
+    memory = {"gradient_cache_residency": "memory"}
+    if method.method == "datainf":
+        return DataInfAttributor(args, task=task, damping=method.damping), memory
+    if task is None or not train_samples:
+        raise CLIError("influence runs live only: give --model, --train_data and --query_data")
+    device = torch.device(args.device)
+    batches = [{k: v.unsqueeze(0).to(device) for k, v in s.items()} for s in train_samples]
+    attributor = InfluenceFunctionAttributor(
+        args,
+        task=task,
+        hessian_batches=batches,
+        solver=method.influence_solver,
+        damping=1e-3 if method.damping is None else method.damping,
+        max_params=method.influence_max_params,
+    )
+    return attributor, memory
 
 
 def rank_top_k(

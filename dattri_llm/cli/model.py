@@ -18,7 +18,7 @@ from dattri_llm.cli.arguments import ModelArguments
 from dattri_llm.cli.data import model_inputs
 from dattri_llm.cli.errors import CLIError
 
-__all__ = ["causal_lm_loss", "load_config", "load_model", "load_tokenizer"]
+__all__ = ["causal_lm_loss", "load_config", "load_model", "load_tokenizer", "sample_losses"]
 
 
 def _first_line(err: BaseException) -> str:
@@ -70,10 +70,15 @@ def load_model(args: ModelArguments, *, quiet: bool = False) -> tuple[torch.nn.M
 
 def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Σ over the batch of each sample's mean next-token loss (labels ``-100`` ignored)."""
+    return sample_losses(model, batch).sum()
+
+
+def sample_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each sample's mean next-token loss over its scored tokens, ``(B,)`` float32."""
     logits = model(**model_inputs(batch)).logits[:, :-1]
     targets = batch["labels"][:, 1:]
     token_loss = F.cross_entropy(
         logits.transpose(1, 2).float(), targets, reduction="none", ignore_index=-100
     )
     counted = (targets != -100).sum(1).clamp(min=1)
-    return (token_loss.sum(1) / counted).sum()
+    return token_loss.sum(1) / counted

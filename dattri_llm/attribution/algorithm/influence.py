@@ -121,7 +121,8 @@ class InfluenceFunctionAttributor(BaseInnerProductAttributor):
                 raise ValueError(
                     f"InfluenceFunctionAttributor: layer {name!r} is "
                     f"{type(module).__name__}, not nn.Linear; the exact Hessian maps stored rows "
-                    "to linear weights and biases only. Restrict with layer_name."
+                    "to linear weights and biases only. Hook only nn.Linear layers (layer_name= or "
+                    "the hook config; --linear_io on the command line)."
                 )
             layers[name] = module
         return layers

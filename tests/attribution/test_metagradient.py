@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, jacrev
 
+from dattri_llm.attribution.algorithm.adamw_influence import AdamWInfluenceAttributor
 from dattri_llm.attribution.algorithm.metagradient import MetagradientAttributor
 from dattri_llm.attribution.algorithm.trajectory import unroll
 from dattri_llm.attribution.arguments import AttributionArguments
@@ -228,14 +229,25 @@ def test_finite_difference_of_one_sample(tmp_path):
 
 
 # ---------------------------------------------------------------------------- hand-written loops
-def hand_run(tmp_path, optimizer_fn, *, epochs=1, accumulation=1, max_norm=0.5, reduction="sum"):
-    """Train with a hand-written loop recording snapshots and dynamics; return what the
-    reference needs."""
+def hand_run(
+    tmp_path,
+    optimizer_fn,
+    *,
+    epochs=1,
+    accumulation=1,
+    max_norm=0.5,
+    reduction="sum",
+    dtype=torch.float64,
+    **options,
+):
+    """Train with a hand-written loop recording snapshots and dynamics (``dtype`` the model's
+    and the data's); the reference is computed in float64 from the same start and batches."""
     torch.manual_seed(0)
-    model = MLP().double()
-    theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = MLP().double().to(dtype)
+    theta0 = {n: p.detach().double().clone() for n, p in model.named_parameters()}
     optimizer = optimizer_fn(model)
     train, test = data(12, 1), data(3, 2)
+    train = [{"x": s["x"].to(dtype), "y": s["y"]} for s in train]
     gen = torch.Generator().manual_seed(3)
     order = [int(i) for _ in range(epochs) for i in torch.randperm(12, generator=gen)]
     batches = [stack([train[i] for i in order[k : k + 4]]) for k in range(0, len(order), 4)]
@@ -263,7 +275,7 @@ def hand_run(tmp_path, optimizer_fn, *, epochs=1, accumulation=1, max_norm=0.5, 
                 for p in group["params"]:
                     hyper[names[id(p)]] = (group["lr"], group["weight_decay"], decoupled, t + 1)
             optimizer.step()
-            updates.append((micro, hyper))
+            updates.append(([{"x": b["x"].double(), "y": b["y"]} for b in micro], hyper))
     manager.remove()
     recorder.save(snaps.root)
     rows = len(order)
@@ -271,8 +283,9 @@ def hand_run(tmp_path, optimizer_fn, *, epochs=1, accumulation=1, max_norm=0.5, 
         model, theta0, updates, stack(test), rows,
         max_norm=max_norm, reduction=reduction, divisor=accumulation,
     )  # fmt: skip
+    test = [{"x": s["x"].to(dtype), "y": s["y"]} for s in test]
     args = args_for(tmp_path, max_grad_norm=max_norm)
-    attributor = MetagradientAttributor(args, task=AttributionTask(loss_fn, model))
+    attributor = MetagradientAttributor(args, task=AttributionTask(loss_fn, model), **options)
     return attributor, snaps, test, want, order, recorder
 
 
@@ -332,6 +345,7 @@ def _ids_by_step(score):
     return out
 
 
+@pytest.mark.filterwarnings("ignore:the replayed clip coefficient")
 def test_ignoring_the_clip_jacobian_is_far_off(tmp_path, monkeypatch):
     """A broken variant (the clip coefficient held constant) misses the reference."""
     attributor, snaps, test, want, _, _ = hand_run(tmp_path, two_groups, max_norm=0.3)
@@ -377,6 +391,7 @@ def test_refusals(tmp_path):
         attributor.attribute_from_cache(snaps, test, dynamics=records)
 
 
+@pytest.mark.filterwarnings("ignore:the replayed clip coefficient")
 def test_a_perturbed_snapshot_warns(tmp_path):
     attributor, snaps, test, *_ = hand_run(tmp_path, two_groups)
     params = snaps.parameter_dict(2)
@@ -394,9 +409,102 @@ def test_a_perturbed_snapshot_warns(tmp_path):
                                      block_dtype=torch.float64)  # fmt: skip
 
 
+@pytest.mark.filterwarnings("ignore:the replayed parameters")
 def test_a_wrong_clip_threshold_warns(tmp_path):
     attributor, snaps, test, *_ = hand_run(tmp_path, two_groups, max_norm=0.3)
     with pytest.warns(UserWarning, match="clip coefficient"):
         attributor.attribute_from_cache(
             snaps, test, loss_reduction="sum", max_grad_norm=None, block_dtype=torch.float64
         )
+
+
+@pytest.mark.parametrize(
+    "block_dtype, rtol", [(torch.float64, 1e-4), (torch.float32, 2e-3)], ids=["f64", "f32"]
+)
+def test_a_float32_run(tmp_path, block_dtype, rtol):
+    """A float32 run scored in float64 (a cast copy of the model) or in float32 agrees with the
+    float64 reference within float32 rounding of the recorded run."""
+    attributor, snaps, test, want, _, _ = hand_run(tmp_path, two_groups, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        score = attributor.attribute_from_cache(
+            snaps, test, loss_reduction="sum", block_dtype=block_dtype
+        )
+    assert score.scores.dtype == block_dtype
+    assert next(attributor.require_task("t").model.parameters()).dtype == torch.float32
+    close(in_run_order(score), want, rtol=rtol)
+
+
+def test_sample_loss_func_gives_the_same_scores(tmp_path):
+    def per_sample(model, batch):
+        return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+    attributor, snaps, test, want, _, _ = hand_run(
+        tmp_path, two_groups, reduction="mean", sample_loss_func=per_sample,
+        sample_target_func=per_sample,
+    )  # fmt: skip
+    score = attributor.attribute_from_cache(
+        snaps, test, loss_reduction="mean", block_dtype=torch.float64
+    )
+    close(in_run_order(score), want)
+
+
+def test_a_single_group_run_recorded_without_parameter_groups(tmp_path):
+    """Older records (no parameter_groups) are accepted when the optimizer had one group."""
+    single = lambda m: torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, eps=EPS)  # noqa: E731
+    attributor, snaps, test, want, _, recorder = hand_run(tmp_path, single)
+    records = recorder.records()
+    del records["parameter_groups"]
+    score = attributor.attribute_from_cache(
+        snaps, test, dynamics=records, loss_reduction="sum", block_dtype=torch.float64
+    )
+    close(in_run_order(score), want)
+
+
+@pytest.mark.filterwarnings("ignore:the replayed")
+def test_a_wrong_loss_reduction_warns(tmp_path):
+    attributor, snaps, test, *_ = hand_run(tmp_path, two_groups, reduction="sum")
+    with pytest.warns(UserWarning, match="not a mean of per-sample losses"):
+        attributor.attribute_from_cache(
+            snaps, test, loss_reduction="mean", block_dtype=torch.float64
+        )
+
+
+def test_selected_steps_and_progress(tmp_path):
+    """``selected_training_steps`` keeps those steps' rows (the same values); verbose shows
+    the loops' bars."""
+    attributor, snaps, test, want, _, _ = hand_run(tmp_path, two_groups)
+    score = attributor.attribute_from_cache(
+        snaps, test, loss_reduction="sum", block_dtype=torch.float64,
+        selected_training_steps=[1], verbose=True,
+    )  # fmt: skip
+    assert set(score.row_steps) == {1}
+    close(score.scores.double(), want[4:8])
+
+
+def test_agrees_with_adamw_influence_on_the_last_update_only(tmp_path):
+    """At the last update nothing is propagated: AdamW-influence's row (the exact Adam and clip
+    Jacobians at one step) is the exact metagradient. Earlier rows propagate through later
+    updates, where AdamW-influence keeps only the Gauss–Newton part of the curvature: they
+    differ."""
+    torch.manual_seed(0)
+    model = MLP().double()
+    train, test = data(12, 1), data(3, 2)
+    args = args_for(tmp_path, recompute_gradients=True)
+    task = AttributionTask(make_loss("sum"), model)
+    adamw = AdamWInfluenceAttributor(args, task=task)
+    ((train_dir, test_dir),) = adamw.cache(train, test, cache_dir=str(tmp_path / "run"))
+    linear = adamw.attribute_from_cache(
+        train_dir, test_dir, loss_reduction="sum", block_dtype=torch.float64
+    )
+    exact = MetagradientAttributor(args, task=task).attribute_from_cache(
+        train_dir, test, loss_reduction="sum", block_dtype=torch.float64
+    )
+    assert exact.test_ids == linear.test_ids
+    got, want = exact.step_matrices(), linear.step_matrices()
+    assert sorted(got) == sorted(want) == [0, 1, 2]
+    for step in got:
+        assert got[step][0] == want[step][0]  # the same row ids
+    close(got[2][1].double(), want[2][1].double(), rtol=1e-6)
+    early = got[0][1].double()
+    assert float((early - want[0][1].double()).norm() / early.norm()) > 1e-3

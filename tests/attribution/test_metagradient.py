@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, jacrev
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dattri_llm.attribution.algorithm.adamw_influence import AdamWInfluenceAttributor
 from dattri_llm.attribution.algorithm.metagradient import MetagradientAttributor
@@ -42,6 +43,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Attention(nn.Module):
+    """One attention head over two 3-dimensional tokens (``F.scaled_dot_product_attention`` on
+    ``(B, heads, tokens, dim)``, which its fused CPU kernel takes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(3, 9)
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x.reshape(x.shape[0], 1, 2, 3)).chunk(3, dim=-1)
+        return self.out(F.scaled_dot_product_attention(q, k, v).mean((1, 2)))
 
 
 def make_loss(reduction: str):
@@ -238,12 +253,13 @@ def hand_run(
     max_norm=0.5,
     reduction="sum",
     dtype=torch.float64,
+    model_fn=MLP,
     **options,
 ):
     """Train with a hand-written loop recording snapshots and dynamics (``dtype`` the model's
     and the data's); the reference is computed in float64 from the same start and batches."""
     torch.manual_seed(0)
-    model = MLP().double().to(dtype)
+    model = model_fn().double().to(dtype)
     theta0 = {n: p.detach().double().clone() for n, p in model.named_parameters()}
     optimizer = optimizer_fn(model)
     train, test = data(12, 1), data(3, 2)
@@ -508,3 +524,14 @@ def test_agrees_with_adamw_influence_on_the_last_update_only(tmp_path):
     close(got[2][1].double(), want[2][1].double(), rtol=1e-6)
     early = got[0][1].double()
     assert float((early - want[0][1].double()).norm() / early.norm()) > 1e-3
+
+
+def test_an_attention_model(tmp_path):
+    """``scaled_dot_product_attention``'s fused CPU kernel has no double backward: the passes
+    run it on its math kernel (the reference too)."""
+    with sdpa_kernel([SDPBackend.MATH]):
+        attributor, snaps, test, want, _, _ = hand_run(tmp_path, two_groups, model_fn=Attention)
+    score = attributor.attribute_from_cache(
+        snaps, test, loss_reduction="sum", block_dtype=torch.float64
+    )
+    close(in_run_order(score), want)

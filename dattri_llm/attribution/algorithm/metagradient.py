@@ -48,6 +48,7 @@ from dattri_llm.attribution.algorithm.trajectory.unroll import (
     SampleLossFn,
     bound_parameters,
     cast_batch,
+    math_attention,
     per_sample_losses,
 )
 from dattri_llm.attribution.sources import _check_dataset
@@ -345,7 +346,7 @@ class MetagradientAttributor(TrajectoryAttributor):
                 )
             ids = identity.identifiers(None, inputs, keyed, task.model)
             leaves = {n: theta[n].detach().clone().requires_grad_(True) for n in setup.names}
-            with bound_parameters(setup.model, {**theta, **leaves}):
+            with bound_parameters(setup.model, {**theta, **leaves}), math_attention():
                 losses = per_sample_losses(
                     setup.model, cast_batch(batch, setup.device, dtype), target,
                     self.sample_target_func,

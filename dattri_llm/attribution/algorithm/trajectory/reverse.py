@@ -39,6 +39,7 @@ from dattri_llm.attribution.algorithm.trajectory.unroll import (
     batch_size_of,
     bound_parameters,
     cast_batch,
+    math_attention,
     per_sample_losses,
     window_loss,
 )
@@ -172,7 +173,7 @@ class MetagradientSweep:
         """``(θ', m', v', c)`` of ``window`` from ``theta`` (every stored parameter)."""
         s = self.setup
         leaves = [theta[name] for name in s.names]
-        with bound_parameters(s.model, theta):
+        with bound_parameters(s.model, theta), math_attention():
             loss = window_loss(
                 s.model,
                 batches,
@@ -263,7 +264,7 @@ class MetagradientSweep:
         """Warn when the loss of the first micro-batch is not its per-sample losses reduced
         as ``reduction`` says."""
         s = self.setup
-        with torch.no_grad(), bound_parameters(s.model, theta):
+        with torch.no_grad(), bound_parameters(s.model, theta), math_attention():
             whole = float(s.loss_fn(s.model, batch))
             losses = per_sample_losses(s.model, batch, s.loss_fn, s.sample_loss_fn)
         parts = float(losses.sum() if s.reduction == "sum" else losses.mean())

@@ -182,7 +182,7 @@ class MetagradientAttributor(TrajectoryAttributor):
         loss_reduction: str = "mean",
         max_grad_norm: object = _FROM_ARGS,
         block_dtype: torch.dtype = torch.float32,
-        replay_rtol: float = 1e-4,
+        replay_rtol: float | None = None,
         sample_id_key: str | int | None = None,
         scratch_dir: str | Path | None = None,
         verbose: bool = False,
@@ -212,7 +212,11 @@ class MetagradientAttributor(TrajectoryAttributor):
             block_dtype: the dtype of the passes (the model is copied and cast
                 when it differs from the model's; floating batch tensors too).
             replay_rtol: relative tolerance of the replay checks (a
-                ``UserWarning`` when the replayed parameters leave the snapshots).
+                ``UserWarning`` when the replayed parameters leave the snapshots);
+                ``None``: 1e-6 for a run recorded in float64, else 1e-3 (a
+                float32 run replayed with other kernels, e.g. attention's math
+                kernel, drifts by up to ~1e-4: Adam amplifies rounding where a
+                coordinate's gradients are tiny).
             sample_id_key: the id field the recording ``HookManager`` used
                 (``None``: content hashes, the attributors' default).
             scratch_dir: where the per-update moments are kept during the call
@@ -250,7 +254,13 @@ class MetagradientAttributor(TrajectoryAttributor):
         task = self.require_task("attribute_from_cache")
         groups = _parameter_groups(recorded, task.model, windows)
         emitted = set(output)
-        first = min(i for i, w in enumerate(windows) if emitted & set(w.steps))
+        holding = [i for i, w in enumerate(windows) if emitted & set(w.steps)]
+        if not holding:
+            raise ValueError(
+                f"none of the output steps {sorted(output)} belongs to a recorded optimizer "
+                "update; nothing to score"
+            )
+        first = holding[0]
         model, cast_inputs = _compute_model(task.model, block_dtype, self.args.device)
         names = [n for n, p in model.named_parameters() if n in groups]
         setup = UnrollSetup(
@@ -264,7 +274,7 @@ class MetagradientAttributor(TrajectoryAttributor):
             device=torch.device(self.args.device),
             dtype=block_dtype,
             cast_inputs=cast_inputs,
-            replay_rtol=replay_rtol,
+            replay_rtol=_replay_rtol(replay_rtol, snapshots, windows[0]),
         )
         modes = {m: m.training for m in model.modules()}
         self._verbose = verbose
@@ -483,6 +493,17 @@ def _parameter_groups(
             "this version); record the run again, or train with a single parameter group"
         )
     return {name: 0 for name, p in named.items() if p.requires_grad}
+
+
+def _replay_rtol(
+    replay_rtol: float | None, snapshots: TrajectorySnapshots, window: Window
+) -> float:
+    """``replay_rtol``, or the default for the precision the run was recorded in."""
+    if replay_rtol is not None:
+        return float(replay_rtol)
+    stored = snapshots.parameter_dict(window.steps[0]).values()
+    recorded64 = all(t.dtype == torch.float64 for t in stored if t.is_floating_point())
+    return 1e-6 if recorded64 else 1e-3
 
 
 def _compute_model(model: nn.Module, dtype: torch.dtype, device: str) -> tuple[nn.Module, bool]:

@@ -535,3 +535,15 @@ def test_an_attention_model(tmp_path):
         snaps, test, loss_reduction="sum", block_dtype=torch.float64
     )
     close(in_run_order(score), want)
+
+
+def test_query_blocks_give_the_same_scores(tmp_path):
+    """Batched products over all queries, blocks of two, and one backward per query agree."""
+    attributor, snaps, test, want, _, _ = hand_run(tmp_path, two_groups)
+    for block in (None, 2, 1):
+        score = attributor.attribute_from_cache(
+            snaps, test, loss_reduction="sum", block_dtype=torch.float64, query_block=block
+        )
+        close(in_run_order(score), want)
+    with pytest.raises(ValueError, match="query_block must be None or an int >= 1"):
+        attributor.attribute_from_cache(snaps, test, query_block=0)

@@ -73,7 +73,7 @@ _FROM_ARGS = object()  # max_grad_norm default: args.max_grad_norm
 # Keywords of ``attribute_from_cache`` that ``attribute`` passes on.
 _FROM_CACHE = (
     "dynamics", "selected_training_steps", "final_step", "loss_reduction", "max_grad_norm",
-    "block_dtype", "replay_rtol", "sample_id_key", "scratch_dir",
+    "block_dtype", "replay_rtol", "sample_id_key", "scratch_dir", "query_block",
 )  # fmt: skip
 
 
@@ -185,6 +185,7 @@ class MetagradientAttributor(TrajectoryAttributor):
         replay_rtol: float | None = None,
         sample_id_key: str | int | None = None,
         scratch_dir: str | Path | None = None,
+        query_block: int | None = None,
         verbose: bool = False,
     ) -> AttributionScore:
         """Exact metagradients of a recorded run against the queries of ``test_dataset``.
@@ -221,6 +222,10 @@ class MetagradientAttributor(TrajectoryAttributor):
                 (``None``: content hashes, the attributors' default).
             scratch_dir: where the per-update moments are kept during the call
                 (a temporary directory, deleted after; default the system's).
+            query_block: queries per batched vector-Jacobian product of the
+                reverse sweep (``None``: all at once; 1: one backward per query,
+                the least memory: a batched product holds that many copies of
+                the update's backward intermediates).
             verbose: progress bars over the replay and reverse loops.
 
         Returns:
@@ -236,6 +241,10 @@ class MetagradientAttributor(TrajectoryAttributor):
                 optimizer; an empty test set; a bad ``loss_reduction``.
         """
         check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
+        if query_block is not None and (
+            isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 1
+        ):
+            raise ValueError(f"query_block must be None or an int >= 1, got {query_block!r}")
         clip = self.args.max_grad_norm if max_grad_norm is _FROM_ARGS else max_grad_norm
         snapshots = self.snapshots_of(train_source)
         if snapshots is None:
@@ -275,6 +284,7 @@ class MetagradientAttributor(TrajectoryAttributor):
             dtype=block_dtype,
             cast_inputs=cast_inputs,
             replay_rtol=_replay_rtol(replay_rtol, snapshots, windows[0]),
+            query_block=query_block,
         )
         modes = {m: m.training for m in model.modules()}
         self._verbose = verbose

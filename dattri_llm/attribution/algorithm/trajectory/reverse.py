@@ -69,6 +69,8 @@ class UnrollSetup:
         device, dtype: where and in what the passes compute.
         cast_inputs: cast floating batch tensors to ``dtype``.
         replay_rtol: relative tolerance of the replay checks.
+        query_block: queries per batched vector-Jacobian product in the reverse
+            sweep (``None``: all; 1: one backward per query).
     """
 
     model: nn.Module
@@ -82,6 +84,7 @@ class UnrollSetup:
     dtype: torch.dtype
     cast_inputs: bool
     replay_rtol: float
+    query_block: int | None = None
 
 
 class MetagradientSweep:
@@ -111,6 +114,7 @@ class MetagradientSweep:
         self.replay_errors: dict[int, float] = {}
         self.clip_coefficients: dict[int, float] = {}
         self._warned: set[str] = set()
+        self._batched: bool | None = None  # whether the queries' products run batched
 
     # ------------------------------------------------------------------ inputs
     def parameters(self, step: int, *, grad: bool) -> dict[str, torch.Tensor]:
@@ -296,7 +300,6 @@ class MetagradientSweep:
             ``{step: (B_step, n_test)}``: ``dL_j/dw_b`` of each emitted micro-batch's samples.
         """
         s = self.setup
-        n_test = adjoint[0].shape[0] if adjoint else 0
         theta_bar = list(adjoint)
         m_bar = [torch.zeros_like(a) for a in adjoint]
         v_bar = [torch.zeros_like(a) for a in adjoint]
@@ -315,23 +318,9 @@ class MetagradientSweep:
             outputs = [*new_theta, *new_m, *new_v]
             leaves = [theta[name] for name in s.names]
             inputs = [*leaves, *m, *v, *weights]
-            carried = [torch.empty_like(a) for a in (*theta_bar, *m_bar, *v_bar)]
-            w_bar = [
-                torch.empty(w.shape[0], n_test, device=s.device, dtype=s.dtype) for w in weights
-            ]
-            bars = (*theta_bar, *m_bar, *v_bar)
-            for j in range(n_test):
-                got = torch.autograd.grad(
-                    outputs,
-                    inputs,
-                    grad_outputs=[bar[j] for bar in bars],
-                    retain_graph=j < n_test - 1,
-                    allow_unused=True,
-                )
-                for k, value in enumerate(got[: len(carried)]):
-                    carried[k][j] = 0.0 if value is None else value
-                for k, value in enumerate(got[len(carried) :]):
-                    w_bar[k][:, j] = 0.0 if value is None else value
+            got = self._vjps(outputs, inputs, [*theta_bar, *m_bar, *v_bar])
+            carried = got[: len(outputs)]
+            w_bar = [block.T for block in got[len(outputs) :]]  # (B_k, n_test)
             count = len(s.names)
             theta_bar = carried[:count]
             m_bar = carried[count : 2 * count]
@@ -341,3 +330,54 @@ class MetagradientSweep:
                     rows[step] = block.detach().cpu()
             del outputs, new_theta, new_m, new_v
         return rows
+
+    def _vjps(self, outputs: Tensors, inputs: Tensors, bars: Tensors) -> list[torch.Tensor]:
+        """``(n_test, *input.shape)`` per input: the products of the cotangents ``bars``
+        (``(n_test, *output.shape)`` each) with the outputs' Jacobian in the inputs.
+
+        ``setup.query_block`` queries per batched backward (``is_grads_batched``;
+        ``None``: all at once; 1: one backward per query). When an operation of
+        the graph has no batching rule, one backward per query from then on.
+        """
+        n_test = bars[0].shape[0]
+        result = [torch.zeros(n_test, *x.shape, device=x.device, dtype=x.dtype) for x in inputs]
+        block = self.setup.query_block or n_test
+        starts = list(range(0, n_test, block))
+        for position, start in enumerate(starts):
+            chunk = slice(start, min(start + block, n_test))
+            last = position == len(starts) - 1
+            got = self._batched_vjp(outputs, inputs, [bar[chunk] for bar in bars], last)
+            if got is None:  # one query at a time
+                for j in range(chunk.start, chunk.stop):
+                    single = torch.autograd.grad(
+                        outputs, inputs, grad_outputs=[bar[j] for bar in bars],
+                        retain_graph=not (last and j == chunk.stop - 1), allow_unused=True,
+                    )  # fmt: skip
+                    for target, value in zip(result, single, strict=True):
+                        if value is not None:
+                            target[j] = value
+                continue
+            for target, value in zip(result, got, strict=True):
+                if value is not None:
+                    target[chunk] = value
+        return result
+
+    def _batched_vjp(
+        self, outputs: Tensors, inputs: Tensors, bars: Tensors, last: bool
+    ) -> tuple[torch.Tensor | None, ...] | None:
+        """One batched backward over the leading axis of ``bars`` (``None``: not batchable)."""
+        if self._batched is False or bars[0].shape[0] == 1:
+            return None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # vmap's slow-fallback notices
+                got = torch.autograd.grad(
+                    outputs, inputs, grad_outputs=bars,
+                    retain_graph=self._batched is None or not last,
+                    allow_unused=True, is_grads_batched=True,
+                )  # fmt: skip
+        except RuntimeError:
+            self._batched = False
+            return None
+        self._batched = True
+        return got

@@ -210,7 +210,8 @@ class MetagradientAttributor(TrajectoryAttributor):
             loss_reduction: the loop's micro-batch reduction, ``"mean"`` or ``"sum"``.
             max_grad_norm: the loop's clip threshold (default ``args.max_grad_norm``;
                 ``None`` for no clip).
-            block_dtype: the dtype of the passes (the model is copied and cast
+            block_dtype: the dtype of the passes, which run on the device of the
+                task model's parameters (the model is copied and cast
                 when it differs from the model's; floating batch tensors too).
             replay_rtol: relative tolerance of the replay checks (a
                 ``UserWarning`` when the replayed parameters leave the snapshots);
@@ -270,7 +271,8 @@ class MetagradientAttributor(TrajectoryAttributor):
                 "update; nothing to score"
             )
         first = holding[0]
-        model, cast_inputs = _compute_model(task.model, block_dtype, self.args.device)
+        device = _device_of(task.model)
+        model, cast_inputs = _compute_model(task.model, block_dtype, device)
         names = [n for n, p in model.named_parameters() if n in groups]
         setup = UnrollSetup(
             model=model,
@@ -280,7 +282,7 @@ class MetagradientAttributor(TrajectoryAttributor):
             sample_loss_fn=self.sample_loss_func,
             reduction=loss_reduction,
             max_grad_norm=clip,
-            device=torch.device(self.args.device),
+            device=device,
             dtype=block_dtype,
             cast_inputs=cast_inputs,
             replay_rtol=_replay_rtol(replay_rtol, snapshots, windows[0]),
@@ -397,7 +399,7 @@ class MetagradientAttributor(TrajectoryAttributor):
         task = self.require_task("attribute_from_cache")
         loss_fn = self.train_loss_fn()
         identity = SampleIdentity(sample_id_key, None)
-        device = torch.device(self.args.device)
+        device = _device_of(task.model)
         blocks, row_ids, row_steps = [], [], []
         for step in sorted(rows, reverse=True):
             batch = move_batch(snapshots.load_batch(step), device)
@@ -516,7 +518,16 @@ def _replay_rtol(
     return 1e-6 if recorded64 else 1e-3
 
 
-def _compute_model(model: nn.Module, dtype: torch.dtype, device: str) -> tuple[nn.Module, bool]:
+def _device_of(model: nn.Module) -> torch.device:
+    """Where the passes run: the device of the model's first parameter (as a replay of its
+    snapshots does), the CPU for a model without parameters."""
+    param = next(model.parameters(), None)
+    return torch.device("cpu") if param is None else param.device
+
+
+def _compute_model(
+    model: nn.Module, dtype: torch.dtype, device: torch.device
+) -> tuple[nn.Module, bool]:
     """``(model to replay on, whether batches are cast)``: the model itself when its floating
     parameters already have ``dtype``, else a copy cast to it."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}

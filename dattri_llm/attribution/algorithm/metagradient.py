@@ -256,21 +256,12 @@ class MetagradientAttributor(TrajectoryAttributor):
             )
         _check_dataset(test_dataset, "test")
         recorded = _load_records(snapshots, dynamics)
-        run = RunDynamics.from_records(recorded)
         prop, output, final = self.resolve_steps(
             snapshots.steps(), selected_training_steps, final_step
         )
-        windows = _check_windows(run, run.windows(prop))
+        windows = _check_windows(RunDynamics.from_records(recorded), prop, output)
         task = self.require_task("attribute_from_cache")
         groups = _parameter_groups(recorded, task.model, windows)
-        emitted = set(output)
-        holding = [i for i, w in enumerate(windows) if emitted & set(w.steps)]
-        if not holding:
-            raise ValueError(
-                f"none of the output steps {sorted(output)} belongs to a recorded optimizer "
-                "update; nothing to score"
-            )
-        first = holding[0]
         device = _device_of(task.model)
         model, cast_inputs = _compute_model(task.model, block_dtype, device)
         names = [n for n, p in model.named_parameters() if n in groups]
@@ -288,29 +279,17 @@ class MetagradientAttributor(TrajectoryAttributor):
             replay_rtol=_replay_rtol(replay_rtol, snapshots, windows[0]),
             query_block=query_block,
         )
-        modes = {m: m.training for m in model.modules()}
         self._verbose = verbose
         try:
             with tempfile.TemporaryDirectory(prefix="metagradient-", dir=scratch_dir) as scratch:
                 sweep = MetagradientSweep(setup, snapshots, windows, Path(scratch), self._loops)
                 self.last_sweep = sweep
-                start = time.perf_counter()
-                model.train()
-                theta_final = sweep.replay()
-                replayed = time.perf_counter()
-                model.eval()
-                test_ids, adjoint = self._query_adjoints(
-                    setup, theta_final, test_dataset, sample_id_key
+                test_ids, rows, seconds = self._passes(
+                    sweep, test_dataset, set(output), sample_id_key
                 )
-                model.train()
-                queried = time.perf_counter()
-                rows = sweep.reverse(adjoint, first, emitted)
-                reversed_at = time.perf_counter()
         finally:
             self._verbose = False
-            for module, training in modes.items():
-                module.train(training)
-        scores, row_ids, row_steps = self._rows(snapshots, windows, rows, sample_id_key)
+        scores, row_ids, row_steps = self._rows(snapshots, rows, sample_id_key)
         meta = {
             "final_step": final,
             "selected_training_steps": (
@@ -324,14 +303,46 @@ class MetagradientAttributor(TrajectoryAttributor):
             "queries": "data",
             "replay_errors": dict(sweep.replay_errors),
             "clip_coefficients": dict(sweep.clip_coefficients),
-            "seconds": {
-                "replay": replayed - start,
-                "queries": queried - replayed,
-                "reverse": reversed_at - queried,
-            },
+            "seconds": seconds,
         }
         self.scored_layers = []
         return self.build_score(scores, row_ids, row_steps, test_ids, algorithm_meta=meta)
+
+    def _passes(
+        self,
+        sweep: MetagradientSweep,
+        test_dataset: object,
+        emitted: set[int],
+        sample_id_key: str | int | None,
+    ) -> tuple[list[str], dict[int, torch.Tensor], dict[str, float]]:
+        """The replay (``train()`` mode), the query adjoints (``eval()``), the reverse sweep
+        from the last update to the first holding an ``emitted`` step; the model's modes
+        are restored. Returns ``(test_ids, {step: (B, n_test)}, {pass: seconds})``."""
+        model = sweep.setup.model
+        modes = {m: m.training for m in model.modules()}
+        first = min(i for i, w in enumerate(sweep.windows) if emitted & set(w.steps))
+        try:
+            start = time.perf_counter()
+            model.train()
+            theta_final = sweep.replay()
+            replayed = time.perf_counter()
+            model.eval()
+            test_ids, adjoint = self._query_adjoints(
+                sweep.setup, theta_final, test_dataset, sample_id_key
+            )
+            queried = time.perf_counter()
+            model.train()
+            rows = sweep.reverse(adjoint, first, emitted)
+            done = time.perf_counter()
+        finally:
+            for module, training in modes.items():
+                module.train(training)
+        seconds = {
+            "replay": replayed - start,
+            "queries": queried - replayed,
+            "reverse": done - queried,
+        }
+        return test_ids, rows, seconds
 
     # ------------------------------------------------------------------ pieces
     def _loops(self, windows: Iterable[Window], desc: str) -> Iterable[Window]:
@@ -391,7 +402,6 @@ class MetagradientAttributor(TrajectoryAttributor):
     def _rows(
         self,
         snapshots: TrajectorySnapshots,
-        windows: list[Window],
         rows: Mapping[int, torch.Tensor],
         sample_id_key: str | int | None,
     ) -> tuple[torch.Tensor, list[str], list[int]]:
@@ -448,16 +458,21 @@ def _load_records(snapshots: TrajectorySnapshots, dynamics: object) -> dict[str,
     return {"layers": {}, "skipped_steps": [], **recorded}
 
 
-def _check_windows(run: RunDynamics, windows: list[Window]) -> list[Window]:
-    """``windows`` if the replay can model them, else ``ValueError`` naming what is refused."""
+def _check_windows(run: RunDynamics, steps: list[int], output: list[int]) -> list[Window]:
+    """The updates over ``steps`` if the replay can model them, else ``ValueError`` naming
+    what is refused (or that no update holds an ``output`` step)."""
+    windows = run.windows(steps)
     other = sorted(run.optimizers() - set(ADAM_TYPES))
     if other:
         raise ValueError(
             f"the exact metagradient replays torch.optim.Adam and AdamW; the recorded run used "
             f"{other}"
         )
-    if not windows:
-        raise ValueError("no recorded optimizer update covers the snapshot steps")
+    if not any(set(output) & set(w.steps) for w in windows):
+        raise ValueError(
+            f"none of the output steps {sorted(output)} belongs to a recorded optimizer "
+            "update; nothing to score"
+        )
     for window in windows:
         steps = [int(s) for s in window.update.get("steps", window.steps)]
         if list(window.steps) != steps:

@@ -63,6 +63,7 @@ _LAZY: dict[str, str] = {
     "TrajectoryTracInAttributor": "dattri_llm.attribution",
     "StrideAttributor": "dattri_llm.attribution",
     "StrideConfig": "dattri_llm.attribution",
+    "MetagradientAttributor": "dattri_llm.attribution",
     "SourceAttributor": "dattri_llm.attribution",
 }
 

@@ -37,3 +37,11 @@ def test_another_format_is_refused(tmp_path):
     (tmp_path / dynamics.TRAINING_DYNAMICS_FILE).write_text(json.dumps({"format": 2}))
     with pytest.raises(ValueError, match="format 2; this version reads format 1"):
         dynamics.load_training_dynamics(tmp_path)
+
+
+def test_parameter_groups_round_trip_and_older_files_load_without_them(tmp_path):
+    groups = {"fc.weight": 0, "fc.bias": 1}
+    dynamics.save_training_dynamics(tmp_path, {1: UPDATE}, LAYERS, parameter_groups=groups)
+    assert dynamics.load_training_dynamics(tmp_path)["parameter_groups"] == groups
+    dynamics.save_training_dynamics(tmp_path / "old", {1: UPDATE}, LAYERS)
+    assert "parameter_groups" not in dynamics.load_training_dynamics(tmp_path / "old")

@@ -11,6 +11,7 @@ from dattri_llm.attribution.algorithm.kronecker import (
 )
 from dattri_llm.attribution.algorithm.less import LESSAttributor
 from dattri_llm.attribution.algorithm.lorif import LoRIFAttributor
+from dattri_llm.attribution.algorithm.metagradient import MetagradientAttributor
 from dattri_llm.attribution.algorithm.source import SourceAttributor
 from dattri_llm.attribution.algorithm.stride import StrideAttributor, StrideConfig
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
@@ -29,6 +30,7 @@ __all__ = [
     "KroneckerAttributor",
     "LESSAttributor",
     "LoRIFAttributor",
+    "MetagradientAttributor",
     "SourceAttributor",
     "StrideAttributor",
     "StrideConfig",

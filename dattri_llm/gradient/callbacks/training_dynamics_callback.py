@@ -36,7 +36,10 @@ loop with or without a ``GradScaler``):
 Once per run it records, per captured layer, the parameter group of its
 weight and of its bias and the positions of the bias coordinates among the
 layer's captured coordinates, so every coordinate is propagated with its own
-group's values. :func:`save_training_dynamics` / :func:`load_training_dynamics`
+group's values; and ``parameter_groups``, the group of every parameter the
+optimizer holds, by its name in the unwrapped model (a replay of the whole
+run, such as the exact metagradient, gives each parameter its group's
+values). :func:`save_training_dynamics` / :func:`load_training_dynamics`
 (``gradient/state/dynamics.py``, re-exported here) keep all of it as
 ``training_dynamics.json`` beside a run's store.
 """
@@ -68,6 +71,7 @@ from dattri_llm.gradient.state.dynamics import (
 from dattri_llm.gradient.state.names import optimizer_type
 from dattri_llm.gradient.state.optimizer_snapshot import OptimizerSnapshot
 from dattri_llm.utils.distributed import dist_world_size
+from dattri_llm.utils.wrappers import unwrap_model
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import GradientRecord
@@ -185,6 +189,7 @@ class TrainingDynamicsCallback(HookManagerCallback):
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.updates: dict[int, dict] = {}
         self.layer_map: dict[str, dict] = {}
+        self.parameter_groups: dict[str, int] = {}
         self.skipped_steps: list[int] = []
         # The streamer yields unscaled rows: the scale is then not carried by the rows.
         self.rows_unscaled = False
@@ -296,6 +301,8 @@ class TrainingDynamicsCallback(HookManagerCallback):
         optimizer = self.optimizer
         if not self.layer_map:
             self.layer_map = self.build_layer_map(self._window_layers)
+        if not self.parameter_groups:
+            self.parameter_groups = parameter_groups(self.model, optimizer)
         clip = self._clip_coefficient()
         self._pending = {
             "steps": list(self._window),
@@ -464,8 +471,33 @@ class TrainingDynamicsCallback(HookManagerCallback):
     def save(self, directory: str | Path) -> Path:
         """Write the records as ``training_dynamics.json`` in ``directory`` (atomically)."""
         return save_training_dynamics(
-            directory, self.updates, self.layer_map, skipped_steps=self.skipped_steps
+            directory,
+            self.updates,
+            self.layer_map,
+            skipped_steps=self.skipped_steps,
+            parameter_groups=self.parameter_groups,
         )
+
+    def records(self) -> dict[str, Any]:
+        """What :meth:`save` writes, as :func:`load_training_dynamics` reads it back:
+        ``{"layers", "updates", "skipped_steps", "parameter_groups"}``."""
+        return {
+            "layers": dict(self.layer_map),
+            "updates": dict(self.updates),
+            "skipped_steps": list(self.skipped_steps),
+            "parameter_groups": dict(self.parameter_groups),
+        }
+
+
+def parameter_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """``{name: group index}`` of every parameter ``optimizer`` holds, named in the unwrapped
+    ``model`` (a held tensor the model does not name is left out)."""
+    index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    return {
+        name: index[id(param)]
+        for name, param in unwrap_model(model).named_parameters()
+        if id(param) in index
+    }
 
 
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -58,11 +58,13 @@ def save_training_dynamics(
     layer_map: Mapping[str, dict],
     *,
     skipped_steps: Iterable[int] = (),
+    parameter_groups: Mapping[str, int] | None = None,
 ) -> Path:
     """Write ``training_dynamics.json`` (format 1) in ``directory``; return its path.
 
     Layout: ``{"format": 1, "layers": {layer: {...}}, "updates": {step: {...}},
-    "skipped_steps": [...]}`` — see
+    "skipped_steps": [...], "parameter_groups": {parameter name: group index}}``
+    (``parameter_groups`` only when given; files without it still load) — see
     :class:`~dattri_llm.gradient.callbacks.training_dynamics_callback.TrainingDynamicsCallback`.
     """
     path = Path(directory) / TRAINING_DYNAMICS_FILE
@@ -73,12 +75,15 @@ def save_training_dynamics(
         "updates": {str(int(step)): dict(update) for step, update in sorted(updates.items())},
         "skipped_steps": sorted(int(step) for step in skipped_steps),
     }
+    if parameter_groups:
+        payload["parameter_groups"] = {str(k): int(v) for k, v in parameter_groups.items()}
     text = json.dumps(payload)
     return atomic_write(path, lambda fh: fh.write(text.encode("utf-8")))
 
 
 def load_training_dynamics(directory: str | Path) -> dict | None:
-    """``{"layers", "updates" (int keys), "skipped_steps"}`` read from ``directory``.
+    """``{"layers", "updates" (int keys), "skipped_steps"}`` read from ``directory``, plus
+    ``"parameter_groups"`` when the file records them (older files do not).
 
     ``None`` when the directory holds no ``training_dynamics.json``.
 
@@ -93,8 +98,13 @@ def load_training_dynamics(directory: str | Path) -> dict | None:
         raise ValueError(
             f"{path} has format {payload.get('format')!r}; this version reads format {_FORMAT}"
         )
-    return {
+    loaded = {
         "layers": payload.get("layers", {}),
         "updates": {int(step): update for step, update in payload.get("updates", {}).items()},
         "skipped_steps": [int(step) for step in payload.get("skipped_steps", [])],
     }
+    if "parameter_groups" in payload:
+        loaded["parameter_groups"] = {
+            str(name): int(group) for name, group in payload["parameter_groups"].items()
+        }
+    return loaded

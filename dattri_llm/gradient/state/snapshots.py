@@ -182,6 +182,14 @@ class TrajectorySnapshots:
             for name, value in stored.items():
                 params[name].copy_(value)
 
+    def parameter_dict(self, step: int) -> dict[str, torch.Tensor]:
+        """``{name: tensor}`` stored for ``step`` (CPU, own dtype), without a model.
+
+        Raises:
+            KeyError: no parameters for ``step``.
+        """
+        return self._load(self._entry("parameters", step, "parameter_dict")["file"])
+
     # ---- batches
 
     def save_batch(self, step: int, batch: Any) -> None:

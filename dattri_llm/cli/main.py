@@ -27,6 +27,7 @@ from dattri_llm.cli.output import check_output_dir, staged_output
 from dattri_llm.cli.parsing import parse, resolved_config
 from dattri_llm.cli.plan import run_plan
 from dattri_llm.cli.report import run_report
+from dattri_llm.cli.scores import scores_config
 from dattri_llm.cli.topk import run_top_k
 from dattri_llm.cli.validate import default_retrain_dir, run_validate
 
@@ -77,6 +78,7 @@ def _run(command: str, argv: list[str]) -> None:
     final = check_output_dir(args.output_dir, run.overwrite)
     args.output_dir = str(final)
     _absolute_paths(parsed)
+    _method_of_scores(command, parsed)
     for instance in parsed:  # recorded, so that a replayed config reuses the same retrains
         if isinstance(instance, ValidateArguments) and instance.retrain_dir is None:
             instance.retrain_dir = str(default_retrain_dir(final))
@@ -128,6 +130,23 @@ def _absolute_paths(parsed: tuple[Any, ...]) -> None:
             value = getattr(instance, name, None)
             if isinstance(value, str):
                 setattr(instance, name, str(Path(value).expanduser().absolute()))
+
+
+def _method_of_scores(command: str, parsed: tuple[Any, ...]) -> None:
+    """``top-k`` / ``report --scores DIR``: the method is the scored run's (its ``config.yaml``).
+
+    The ``--method`` flag does not choose anything there; recording the run's own method
+    keeps this run's ``config.yaml`` and the report's wording true to what was ranked.
+    """
+    if command not in ("top-k", "report"):
+        return
+    scores = next((getattr(p, "scores", None) for p in parsed if hasattr(p, "scores")), None)
+    if not isinstance(scores, str):
+        return
+    method = scores_config(scores).get("method")
+    for instance in parsed:
+        if method is not None and hasattr(instance, "method"):
+            instance.method = method
 
 
 def _absolute(value: Any) -> Any:

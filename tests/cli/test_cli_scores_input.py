@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from cli_helpers import QUERIES, TRAIN, fails, nothing_written, write_jsonl, write_model
 
 from dattri_llm.attribution.score import AttributionScore
@@ -50,6 +51,8 @@ def test_top_k_of_saved_scores_equals_the_library(runs, tmp_path, capsys, method
         out = tmp_path / f"top_{opponents}"
         result = top_k_json(runs[method], out, *(["--opponents"] if opponents else []))
         assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "top_k.json", "top_k.txt"]
+        # The run records the ranked run's method, not the --method default (graddot).
+        assert yaml.safe_load((out / "config.yaml").read_text())["method"] == method
         expected = score.top_k(K, proponents=not opponents)
         assert result["algorithm"] == score.algorithm and result["polarity"] == score.polarity
         assert result["proponents"] is (not opponents) and result["k"] == K

@@ -18,10 +18,16 @@ METHODS = [
     "AdamW-influence",
     "DVEmb",
     "STRIDE",
+    "TRAK",
+    "TrackStar",
+    "DataInf",
+    "InfluenceFunc",
+    "SOURCE",
 ]
 SMALL = [
     "--epochs", "2", "--captured-epochs", "1", "--queries", "3", "--n-embd", "32",
-    "--stride-steps", "30",
+    "--stride-steps", "30", "--proj-dim", "64", "--source-segments", "2",
+    "--influence-iterations", "3",
 ]  # fmt: skip
 
 
@@ -58,3 +64,5 @@ def test_method_tour_scores_every_method_and_prints_one_table(capsys):
             assert hits[method] >= 2, (method, out)
     assert "its top proponent is its most negative row" in out
     assert "peak MiB: rise of the process's peak resident set size" in out
+    assert "InfluenceFunc: lm_head only" in out
+    assert "SOURCE: 2 segment(s) ending at epochs [1, 2]" in out

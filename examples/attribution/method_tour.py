@@ -14,25 +14,43 @@ ONCE, by hooks around the unchanged training loop:
   direction, LESS's train side), a second manager on the same run;
 * ``final_train/``: the training sentences' gradients at the final weights
   ``θ_T`` (one frozen pass, no update), for the single-checkpoint methods;
-* ``queries/``: the query sentences' raw gradients at ``θ_T``.
+* ``queries/``: the query sentences' raw gradients at ``θ_T``;
+* ``segment_<k>/``: the training sentences' gradients at the end of each
+  earlier segment of the run (``--source-segments`` near-equal spans of
+  epochs; the weights are copied at each end and captured after training by a
+  frozen pass), for SOURCE, whose last segment reads ``final_train/``.
 
 Then every method is scored from those stores on the same queries (no model
-needed), except STRIDE, which reads no gradient: it fits its subset operators
-against the final model and measures the queries through it. One table is
-printed: seconds, peak memory, and for how many queries the top proponent
-(the training sentence with the most helpful score) shares the query's topic.
-Chance is about 1 in 5.
+needed), except the methods that capture for themselves, live on the final
+model (their seconds include that capture):
+
+* STRIDE reads no gradient: it fits its subset operators against the final
+  model and measures the queries through it;
+* TRAK needs each training sentence's ``1 − p`` from the training forward
+  and the gradients of the margin, not of the loss;
+* TrackStar divides each gradient by the trained AdamW's second moment
+  (the tour's optimizer) before projecting it.
+
+TRAK and TrackStar project every hooked layer to ``--proj-dim`` coordinates
+(their curvatures are ``D × D`` per layer). The exact-Hessian influence
+function scores ``lm_head`` only: it maps rows onto ``nn.Linear`` weights and
+GPT-2's MLPs are HF ``Conv1D`` layers. One table is printed: seconds, peak
+memory, and for how many queries the top proponent (the training sentence
+with the most helpful score) shares the query's topic. Chance is about 1 in 5.
 
 Every loss is a SUM over the batch of each sentence's mean token loss, so a
 captured per-sample gradient is that sentence's own gradient (README, "Loss
-reduction"); the trajectory methods are told so with ``loss_reduction="sum"``.
+reduction"); the trajectory methods and TrackStar are told so with
+``loss_reduction="sum"``.
 
 Run:  python examples/attribution/method_tour.py [--epochs 12 --captured-epochs 2 ...]
+      (``--help`` lists the sizes: projection, SOURCE segments, CG iterations, ...)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import gc
 import resource
@@ -40,7 +58,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,20 +69,26 @@ from dattri_llm import (
     AttributionArguments,
     AttributionScore,
     AttributionTask,
+    DataInfAttributor,
     DVEmbAttributor,
     EKFACAttributor,
     GradientStorageManager,
     HookManager,
     HookManagerConfig,
+    InfluenceFunctionAttributor,
     KFACAttributor,
     LESSAttributor,
     OffloadCallback,
     OptimizerStateCallback,
+    SourceAttributor,
     StrideAttributor,
     StrideConfig,
     TracInAttributor,
+    TrackStarAttributor,
     TrajectoryTracInAttributor,
+    TRAKAttributor,
     hash_sample,
+    margin_and_weights,
 )
 from dattri_llm.attribution.utils import write_lr_schedule
 
@@ -74,6 +98,9 @@ from quickstart_corpus import CORPUS, QUERIES  # noqa: E402
 
 # Hooked (and scored) layers: the MLPs of the transformer blocks and the output head.
 HOOKED_LAYERS = [r"\.mlp\.", r"^lm_head$"]
+# The exact-Hessian influence function maps stored rows onto nn.Linear weights only: GPT-2's
+# MLPs are HF Conv1D layers, so it scores the output head (an nn.Linear) alone.
+INFLUENCE_LAYER = "lm_head"
 # AdamWInfluenceAttributor's rows are −qᵀW·push(g), ``push`` being the change of the
 # optimizer state when the sample is REMOVED: a helpful sample scores NEGATIVE. Every
 # other method scores helpful samples positive. Each score records its ``polarity``
@@ -94,20 +121,32 @@ class Tour:
     weight_decay: float = 0.01
     damping: float = 0.1  # K-FAC / EK-FAC: relative to the mean eigenvalue
     stride_steps: int = 100  # STRIDE's operator fit
+    proj_dim: int = 256  # TRAK / TrackStar: each hooked layer's gradient projected to this size
+    # "mask" keeps proj_dim random coordinates; "dense" (a Gaussian matrix, TRAK's choice) was
+    # 6-14x slower on this model, with ~1 GB peak memory at --n-embd 32
+    projection: str = "mask"
+    source_segments: int = 3  # SOURCE: segments of the whole run, a checkpoint at each end
+    # exact-Hessian influence: λ of (H + λI) and the conjugate-gradient iterations; at the
+    # default size 30 iterations come within 0.4% of a 120-iteration solve (16% at λ = 1e-3)
+    influence_damping: float = 1e-2
+    influence_iterations: int = 30
     seed: int = 0
 
 
 @dataclass
 class Stores:
     """The captured run: store directories, the Adam dynamics and the per-step learning rates;
-    the final model and the raw sentences for the model-based method (STRIDE)."""
+    the final model, its optimizer and the raw sentences for the live methods (STRIDE, TRAK,
+    TrackStar); SOURCE's summed learning rate per segment."""
 
     root: Path
     dynamics: Mapping[int, dict]
     lrs: dict[int, float]
     model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
     train_set: list[dict] | None = None
     query_set: list[dict] | None = None
+    segment_rates: list[float] = field(default_factory=list)
 
     @property
     def trajectory(self) -> Path:
@@ -128,6 +167,12 @@ class Stores:
     def queries(self) -> Path:
         """Query gradients at ``θ_T``."""
         return self.root / "queries"
+
+    @property
+    def segments(self) -> list[Path]:
+        """SOURCE's training stores, one per segment end; the last is ``final_train`` (θ_T)."""
+        earlier = [self.root / f"segment_{k}" for k in range(len(self.segment_rates) - 1)]
+        return [*earlier, self.final_train]
 
 
 @dataclass(frozen=True)
@@ -207,14 +252,20 @@ def train_and_capture(
     total = tour.epochs * len(loader)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1.0 - 0.9 * t / total)
     stores = Stores(root=root, dynamics={}, lrs={})
+    ends = segment_ends(tour)
+    step_lrs: list[float] = []  # every step's learning rate, for SOURCE's segment sums
+    snapshots: list[dict] = []  # the weights at every segment end but the last (θ_T)
 
     def one_epoch(after_step: Callable[[], None] = lambda: None) -> None:
         for batch in loader:
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model, batch).backward()  # summed loss
             optimizer.step()
+            step_lrs.append(optimizer.param_groups[0]["lr"])
             after_step()
             schedule.step()
+        if len(step_lrs) // len(loader) in ends[:-1]:
+            snapshots.append(copy.deepcopy(model.state_dict()))
 
     model.train()
     for _ in range(tour.epochs - tour.captured_epochs):
@@ -239,8 +290,37 @@ def train_and_capture(
 
     frozen_pass(model, train_set, stores.final_train, tour.batch_size)
     frozen_pass(model, query_set, stores.queries, len(query_set))
-    stores.model, stores.train_set, stores.query_set = model.eval(), train_set, query_set
+    stores.segment_rates = summed_rates(step_lrs, ends, len(loader))
+    capture_segments(model, snapshots, train_set, stores, tour.batch_size)
+    stores.model, stores.optimizer = model.eval(), optimizer
+    stores.train_set, stores.query_set = train_set, query_set
     return stores
+
+
+def segment_ends(tour: Tour) -> list[int]:
+    """SOURCE's segment ends (in epochs): ``source_segments`` near-equal spans of the run."""
+    count = tour.source_segments
+    return [round((k + 1) * tour.epochs / count) for k in range(count)]
+
+
+def summed_rates(step_lrs: list[float], ends: list[int], steps_per_epoch: int) -> list[float]:
+    """``η̄_ℓ`` per segment: the sum of the learning rates of its steps."""
+    bounds = [end * steps_per_epoch for end in ends]
+    return [sum(step_lrs[start:stop]) for start, stop in zip([0, *bounds], bounds)]
+
+
+def capture_segments(
+    model: torch.nn.Module,
+    snapshots: list[dict],
+    train_set: list[dict],
+    stores: Stores,
+    batch_size: int,
+) -> None:
+    """The training gradients at each earlier segment end (a frozen pass on a copy of the model)."""
+    replica = copy.deepcopy(model)
+    for state, directory in zip(snapshots, stores.segments[:-1], strict=True):
+        replica.load_state_dict(state)
+        frozen_pass(replica, train_set, directory, batch_size)
 
 
 # ---------------------------------------------------------------------------- the methods
@@ -326,6 +406,87 @@ def stride(stores: Stores, tour: Tour) -> AttributionScore:
     return attributor.attribute(stores.train_set, stores.query_set)
 
 
+def projected(tour: Tour) -> HookManagerConfig:
+    """The tour's hooked layers, each gradient projected to ``proj_dim`` entries at capture."""
+    projection = {
+        "__default__": {"style": tour.projection, "proj_dim": tour.proj_dim, "proj_seed": tour.seed}
+    }
+    return HookManagerConfig(linear_io=HOOKED_LAYERS, projection_kwargs=projection)
+
+
+def next_token_margins(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRAK's ``(f (B,), 1 − p (B,))`` of the batch's next tokens (padding not counted).
+
+    The batches carry no ``labels`` (a sample's id is the hash of its inputs), so they are
+    added here: the input ids, ``-100`` at padding.
+    """
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return margin_and_weights(model, {**batch, "labels": labels})
+
+
+def trak(stores: Stores, tour: Tour) -> AttributionScore:
+    """TRAK at ``θ_T`` (one model, ``K = 1``): margin gradients, projected, ``(ΦᵀΦ + λI)⁻¹``
+    per layer, ``1 − p`` weights; live (the weights come from the training forward)."""
+    attributor = TRAKAttributor(
+        arguments(tour, stores.root),
+        task=AttributionTask(None, stores.model),
+        output_func=next_token_margins,
+    )
+    return attributor.attribute(stores.train_set, stores.query_set, hook_config=projected(tour))
+
+
+def trackstar(stores: Stores, tour: Tour) -> AttributionScore:
+    """TrackStar: cosine of ``R^{-1/2} P (∇L ⊘ d)``, ``d`` from the trained AdamW's second
+    moment; live (its captures divide by ``d`` before projecting)."""
+    attributor = TrackStarAttributor(
+        arguments(tour, stores.root),
+        task=AttributionTask(loss_fn, stores.model),
+        optimizer=stores.optimizer,
+        loss_reduction="sum",
+    )
+    return attributor.attribute(stores.train_set, stores.query_set, hook_config=projected(tour))
+
+
+def datainf(stores: Stores, tour: Tour) -> AttributionScore:
+    """DataInf ``g_iᵀ H̃⁻¹ q`` at ``θ_T`` (per-layer averaged rank-one inverses, default λ)."""
+    attributor = DataInfAttributor(arguments(tour, stores.root))
+    return attributor.attribute_from_cache(stores.final_train, stores.queries)
+
+
+def mean_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The batch's mean sentence loss (the summed loss over the batch size)."""
+    return loss_fn(model, batch) / batch["input_ids"].shape[0]
+
+
+def influence(stores: Stores, tour: Tour) -> AttributionScore:
+    """``g_iᵀ (H + λI)⁻¹ q`` on ``lm_head`` only, ``H`` the exact Hessian of the mean training
+    loss over its weights (CG with Hessian-vector products on the final model)."""
+    head = stores.model.get_submodule(INFLUENCE_LAYER)
+    attributor = InfluenceFunctionAttributor(
+        arguments(tour, stores.root),
+        task=AttributionTask(mean_loss, stores.model),
+        hessian_batches=[torch.utils.data.default_collate(stores.train_set)],
+        damping=tour.influence_damping,
+        max_params=sum(p.numel() for p in head.parameters()),
+        solver_options={"max_iter": tour.influence_iterations},
+    )
+    return attributor.attribute_from_cache(
+        stores.final_train, stores.queries, layer_name=INFLUENCE_LAYER
+    )
+
+
+def source(stores: Stores, tour: Tour) -> AttributionScore:
+    """SOURCE: EK-FAC per segment (relative damping), ``η̄_ℓ`` the segment's summed learning
+    rates, training gradients at each segment end, queries at ``θ_T``."""
+    attributor = SourceAttributor(
+        arguments(tour, stores.root),
+        segment_learning_rates=stores.segment_rates,
+        damping=tour.damping,
+        relative_damping=True,
+    )
+    return attributor.attribute_from_cache(stores.segments, stores.queries)
+
+
 @dataclass(frozen=True)
 class Method:
     """A table entry: how to score and what it reads."""
@@ -344,6 +505,12 @@ METHODS: dict[str, Method] = {
     "AdamW-influence": Method(adamw_influence, "trajectory + Adam moments"),
     "DVEmb": Method(dvemb, "trajectory"),
     "STRIDE": Method(stride, "theta_T model (no gradients)"),
+    "TRAK": Method(trak, "theta_T model (live)"),
+    "TrackStar": Method(trackstar, "theta_T model + AdamW (live)"),
+    "DataInf": Method(datainf, "theta_T"),
+    "InfluenceFunc": Method(influence, "theta_T (lm_head only)"),
+    "SOURCE": Method(source, "segment ends"),
+    # MAGIC (metagradient attribution, which replays the training run) goes here.
 }
 
 
@@ -427,10 +594,20 @@ def print_table(rows: list[Row], tour: Tour, capture_seconds: float) -> None:
         "shares, so the rows of one step barely differ and its top proponent follows the batch.",
         "theta_T: training gradients at the final weights; trajectory: the steps of the last "
         f"{tour.captured_epochs} of {tour.epochs} epochs; queries at the final weights.",
-        f"seconds: scoring from the stores only (training + the one capture: "
-        f"{capture_seconds:.1f} s); CPU, {torch.get_num_threads()} torch thread(s). STRIDE's "
-        f"seconds are its whole run: the operator fit ({tour.stride_steps} steps) against the "
-        "final model, the query measurement and the Lasso.",
+        f"seconds: scoring from the stores only (training + the one capture, SOURCE's "
+        f"segment stores included: {capture_seconds:.1f} s); CPU, "
+        f"{torch.get_num_threads()} torch thread(s). STRIDE's seconds are its whole run: the "
+        f"operator fit ({tour.stride_steps} steps) against the final model, the query "
+        "measurement and the Lasso. TRAK's and TrackStar's include their own capture (a "
+        "forward and backward of every sentence per pass).",
+        f"TRAK: one model (theta_T, K = 1), margin gradients; TRAK and TrackStar: every hooked "
+        f"layer projected to {tour.proj_dim} coordinates ({tour.projection} projection).",
+        f"InfluenceFunc: lm_head only (the exact Hessian maps rows onto nn.Linear weights; "
+        f"GPT-2's MLPs are Conv1D), H = the Hessian of the mean training loss, "
+        f"{tour.influence_iterations} CG iterations, damping {tour.influence_damping:g}.",
+        f"SOURCE: {tour.source_segments} segment(s) ending at epochs "
+        f"{segment_ends(tour)}; per segment EK-FAC at its end and eta-bar = its steps' summed "
+        "learning rates (AdamW's rates, read as SGD step sizes).",
         MEMORY_NOTE + ".",
     ]
     print("\n" + "\n".join(f"* {note}" for note in notes))
@@ -446,9 +623,17 @@ def parse_args(argv: Sequence[str] | None) -> Tour:
     parser.add_argument("--queries", type=int, default=default.num_queries)
     parser.add_argument("--n-embd", type=int, default=default.n_embd)
     parser.add_argument("--stride-steps", type=int, default=default.stride_steps)
+    parser.add_argument("--proj-dim", type=int, default=default.proj_dim)
+    parser.add_argument("--projection", choices=("mask", "dense"), default=default.projection)
+    parser.add_argument("--source-segments", type=int, default=default.source_segments)
+    parser.add_argument("--influence-iterations", type=int, default=default.influence_iterations)
     args = parser.parse_args(argv)
     if not 1 <= args.captured_epochs <= args.epochs:
         parser.error("--captured-epochs must be between 1 and --epochs")
+    if not 1 <= args.source_segments <= args.epochs:
+        parser.error("--source-segments must be between 1 and --epochs (one checkpoint each)")
+    if args.proj_dim < 1 or args.influence_iterations < 1:
+        parser.error("--proj-dim and --influence-iterations must be >= 1")
     if not 1 <= args.queries <= len(QUERIES):
         parser.error(f"--queries must be between 1 and {len(QUERIES)}")
     return Tour(
@@ -457,6 +642,10 @@ def parse_args(argv: Sequence[str] | None) -> Tour:
         num_queries=args.queries,
         n_embd=args.n_embd,
         stride_steps=args.stride_steps,
+        proj_dim=args.proj_dim,
+        projection=args.projection,
+        source_segments=args.source_segments,
+        influence_iterations=args.influence_iterations,
     )
 
 

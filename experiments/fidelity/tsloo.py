@@ -216,7 +216,8 @@ def write_plot(rows: list[dict], out: Path, setting: Setting) -> Path:
     for k, row in enumerate(methods):
         stat = row["stat"]
         ax.errorbar(row["seconds"], stat.mean, yerr=stat.se, fmt=markers[k % len(markers)],
-                    capsize=3, label=f"{row['name']} ({stat.mean:.2f})")  # fmt: skip
+                    capsize=3, color=plt.cm.tab20(k % 20),
+                    label=f"{row['name']} ({stat.mean:.2f})")  # fmt: skip
     styles = iter(["--", ":", "-."])
     for row in rows:
         if row["seconds"] is None or row["name"] == "Random":

@@ -14,7 +14,12 @@ model inputs, ``hash_sample({"input_ids", "attention_mask"})``):
 * ``queries_final/``: query gradients at the final parameters ``θ_T``;
 * ``final_train/``: training-sample gradients at ``θ_T`` (a frozen pass, for the
   single-checkpoint methods);
-* ``queries_step/<t>/``: query gradients at every ``θ_t`` (TracIn, LESS).
+* ``queries_step/<t>/``: query gradients at every ``θ_t`` (TracIn, LESS);
+* ``snapshots/``: ``TrajectorySnapshots`` of the reference trajectory, recorded during
+  the raw capture run: the trained parameters ``θ_t`` before every update
+  (``save_parameters(t)``), ``θ_T`` at step ``T``, and every step's batch
+  (``save_batch(t)``, the collated kept samples). Unused by the current methods; for
+  methods that replay the trajectory (metagradients).
 
 Every run restarts from the same pretrained weights and follows
 ``setting.run_trajectory``; the capture runs are checked to end at the
@@ -33,6 +38,7 @@ from setting import (
     Data,
     Setting,
     adamw_for,
+    batch_order,
     collate,
     lr_schedule,
     run_trajectory,
@@ -49,6 +55,7 @@ from dattri_llm import (
     hash_sample,
 )
 from dattri_llm.attribution.utils import write_lr_schedule
+from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 
 FROZEN_BATCH = 16
 
@@ -91,6 +98,11 @@ class Captured:
     def final_train(self) -> Path:
         """Training gradients at ``θ_T``."""
         return self.root / "final_train"
+
+    @property
+    def snapshots(self) -> Path:
+        """``TrajectorySnapshots`` directory: ``θ_t`` and the batch of every step, ``θ_T``."""
+        return self.root / "snapshots"
 
     def queries_at(self, step: int) -> Path:
         """Query gradients at ``θ_step`` (before that step's update)."""
@@ -188,8 +200,16 @@ def capture_trajectory(
     manager = offloading(model, captured.trajectory, setting)
     states = OptimizerStateCallback(model, box)
     manager.add_callback(states)
+    snapshots = TrajectorySnapshots(captured.snapshots)
+    batches = batch_order(setting)
+
+    def snapshot(step: int) -> None:
+        snapshots.save_parameters(step, model)
+        snapshots.save_batch(step, collate([data.finetune[i] for i in batches[step]]))
+
     with manager.collect(deregister_on_exit=True):
-        run_trajectory(model, setting, data, make_optimizer=box.make)
+        run_trajectory(model, setting, data, make_optimizer=box.make, before_step=snapshot)
+    snapshots.save_parameters(len(batches), model)
     write_lr_schedule(captured.trajectory, captured.lrs)
     states.save(captured.trajectory)
     check_same_end(model, reference, "the raw capture run")

@@ -44,6 +44,8 @@ from capture import Captured, capture_trajectory  # noqa: E402
 from error_proxy_metrics import evaluate  # noqa: E402
 from error_proxy_report import fmt, write_plot, write_table  # noqa: E402
 from methods import adamw_influence, arguments, attributor_class  # noqa: E402
+from protocol import machine  # noqa: E402
+from scoring import fresh_model  # noqa: E402
 from setting import (  # noqa: E402
     SMOKE,
     Data,
@@ -55,7 +57,6 @@ from setting import (  # noqa: E402
     query_losses,
     run_trajectory,
 )
-from tsloo import fresh_model, machine  # noqa: E402
 
 from dattri_llm import hash_sample  # noqa: E402
 

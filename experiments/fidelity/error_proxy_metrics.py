@@ -17,7 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from setting import batch_order  # noqa: E402
-from tsloo import spearman_per_query  # noqa: E402
+
+from dattri_llm.evaluation import spearman as spearman_per_query  # noqa: E402
 
 
 def pearson_per_query(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -33,8 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capture import FROZEN_BATCH, Captured, backward_over, offloading  # noqa: E402
 from methods import aligned, arguments, projected_stores  # noqa: E402
+from protocol import CACHE, loo_truth, machine, tsloo_stat  # noqa: E402
+from scoring import fresh_model  # noqa: E402
 from setting import Setting, make_data, make_model, pretrain, run_trajectory  # noqa: E402
-from tsloo import fresh_model, loo_ground_truth, machine, mean_se, spearman_per_query  # noqa: E402
 
 from dattri_llm import LoRIFAttributor, hash_sample  # noqa: E402
 
@@ -68,7 +69,7 @@ def capture_final(setting: Setting, data, start, root: Path) -> Captured:
     return captured
 
 
-def evaluate(captured: Captured, truth, removed, k: int, c: int | None, r: int) -> dict:
+def evaluate(captured: Captured, truth, k: int, c: int | None, r: int) -> dict:
     """One (k, c, r) point: store bytes, fit and query seconds, Spearman."""
     train, queries = projected_stores(captured, k, c)
     fit_dir = captured.root / "fits" / f"k{k}_c{c}_r{r}"
@@ -79,7 +80,7 @@ def evaluate(captured: Captured, truth, removed, k: int, c: int | None, r: int) 
     t = time.perf_counter()
     score = attributor.attribute_from_cache(train, queries, fit_dir=str(fit_dir))
     query_seconds = time.perf_counter() - t
-    mean, se = mean_se(spearman_per_query(aligned(score, captured)[removed], truth))
+    stat = tsloo_stat(aligned(score, captured), truth)
     return {
         "method": "LoGRA-style" if c is None else "LoRIF",
         "k": k,
@@ -88,8 +89,8 @@ def evaluate(captured: Captured, truth, removed, k: int, c: int | None, r: int) 
         "bytes": store_bytes(train),
         "fit": fit_seconds,
         "query": query_seconds,
-        "mean": mean,
-        "se": se,
+        "mean": stat.mean,
+        "se": stat.se,
     }
 
 
@@ -196,15 +197,15 @@ def run(setting: Setting, out: Path) -> Path:
     model = make_model(setting, data.vocab_size)
     pretrain(model, setting, data)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    truth = loo_ground_truth(start, setting, data, torch.float32)
+    truth = loo_truth(start, setting, data, cache=CACHE)
     rows = []
     with tempfile.TemporaryDirectory(prefix="lorif_tradeoff_") as work:
         captured = capture_final(setting, data, start, Path(work))
         for k in PROJECTIONS:
-            rows.append(evaluate(captured, truth, data.removed, k, None, 64))
+            rows.append(evaluate(captured, truth, k, None, 64))
             for c in RANKS:
                 for r in SVD_RANKS:
-                    rows.append(evaluate(captured, truth, data.removed, k, c, r))
+                    rows.append(evaluate(captured, truth, k, c, r))
                     print({key: rows[-1][key] for key in ("k", "c", "r", "bytes", "mean")})
     out.mkdir(parents=True, exist_ok=True)
     info = {

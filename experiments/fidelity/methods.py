@@ -13,12 +13,21 @@ needs beyond the training run itself and is charged for (the frozen pass at
 ``θ_T``, the query passes at every checkpoint); the trajectory captures made
 during training are not charged, as in the paper (B.2).
 
-Methods whose attributor does not import (AdamW-influence, DVEmb while they
-are being written) are reported by ``unavailable()`` with the import error.
+Adding a method is ONE entry of ``METHODS``::
+
+    "Name": Method(score_fn, charged=(), note="...", needs=("MyAttributor",)),
+
+``score_fn(captured) -> (num_train, num_query)`` in the "helps" sign (use
+:func:`aligned` on an ``AttributionScore``: it applies the polarity); ``needs``
+names the attributor classes the entry uses, as ``dattri_llm`` exports them or as
+``"module.path:ClassName"`` before they are exported; :func:`attributor_class`
+resolves them, and an entry whose class does not import is reported by
+``unavailable()`` with the import error instead of failing the run.
 """
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +35,7 @@ from pathlib import Path
 
 import torch
 from capture import FINAL_MODEL, Captured
+from setting import collate, sequence_losses
 
 from dattri_llm import (
     AttributionArguments,
@@ -33,6 +43,7 @@ from dattri_llm import (
     EKFACAttributor,
     GradientRecord,
     GradientStorageManager,
+    HookManagerConfig,
     KFACAttributor,
     LESSAttributor,
     LoRIFAttributor,
@@ -41,15 +52,25 @@ from dattri_llm import (
     TracInAttributor,
     TrajectoryTracInAttributor,
 )
+from dattri_llm.task import margin_and_weights
 
 
 @dataclass(frozen=True)
 class Method:
-    """One registry entry: the scoring function and the captures it is charged for."""
+    """One registry entry.
+
+    Attributes:
+        score: ``score(captured) -> (num_train, num_query)`` float64, "helps" sign.
+        charged: keys of ``Captured.seconds`` added to the method's attribution seconds.
+        note: the table's note.
+        needs: attributor classes the entry uses (``"Name"`` exported by ``dattri_llm`` or
+            ``"module.path:Name"``); if one does not import the row reads "not run".
+    """
 
     score: Callable[[Captured], torch.Tensor]
     charged: tuple[str, ...] = ()
     note: str = ""
+    needs: tuple[str, ...] = ()
 
 
 def aligned(score, captured: Captured) -> torch.Tensor:
@@ -227,7 +248,7 @@ def adamw_influence(num_masks: int) -> Callable[[Captured], torch.Tensor]:
     """
 
     def score(captured: Captured) -> torch.Tensor:
-        attributor = attributor_class("AdamWInfluenceAttributor")(arguments(captured))
+        attributor = attributor_class(ADAMW)(arguments(captured))
         result = attributor.attribute_from_cache(
             captured.trajectory,
             captured.queries_final,
@@ -246,7 +267,7 @@ def dvemb(mode: str) -> Callable[[Captured], torch.Tensor]:
     the rates and clip coefficients the run recorded."""
 
     def score(captured: Captured) -> torch.Tensor:
-        result = attributor_class("DVEmbAttributor")(arguments(captured)).attribute_from_cache(
+        result = attributor_class(DVEMB)(arguments(captured)).attribute_from_cache(
             captured.trajectory,
             captured.queries_final,
             propagation="test",
@@ -322,6 +343,94 @@ def stride(config: StrideConfig = STRIDE_CONFIG) -> Callable[[Captured], torch.T
     return score
 
 
+# ---------------------------------------------------------------------------- TRAK, DataInf, IF
+# TRAK's random projection P of the margin gradients: each layer's input and output sides
+# projected to k = 32 (k² = 1024 numbers per layer, as the LoGRA-style row).
+TRAK_PROJECTION = 32
+
+
+def lm_margins(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRAK's output function on the setting's batches: ``margin_and_weights`` with the
+    next-token ``labels`` (the input ids, padding ``-100``) the batches do not carry."""
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return margin_and_weights(model, {**batch, "labels": labels})
+
+
+def trak(captured: Captured) -> torch.Tensor:
+    """TRAK at ``θ_T`` (one checkpoint): margin gradients of the hooked layers projected to
+    ``k = TRAK_PROJECTION`` per side (``k²`` per layer), ``(1 − p_i) φ_iᵀ(ΦᵀΦ + λI)⁻¹φ_j``
+    (default ``λ``).
+
+    TRAK scores live only (its ``1 − p`` weights come from the training forward): it
+    captures its own gradients, so its whole run is charged.
+    """
+    model, data = final_model(captured)
+    patterns = captured.setting.hooked_layers
+    projected = {  # LayerNorms (trainer setting) have no factor projection: left unprojected
+        name: {"proj_dim": TRAK_PROJECTION}
+        for name, module in model.named_modules()
+        if any(re.search(p, name) for p in patterns) and not isinstance(module, torch.nn.LayerNorm)
+    }
+    hooks = HookManagerConfig(linear_io=patterns, projection_kwargs=projected)
+    attributor = attributor_class(TRAK)(
+        arguments(captured), task=AttributionTask(None, model), output_func=lm_margins
+    )
+    return aligned(attributor.attribute(data.finetune, data.queries, hook_config=hooks), captured)
+
+
+def datainf(captured: Captured) -> torch.Tensor:
+    """DataInf at ``θ_T``: per-layer Sherman–Morrison inverse of the training rows' second
+    moment, default damping (0.1 × the mean eigenvalue), unprojected stores."""
+    attributor = attributor_class(DATAINF)(arguments(captured))
+    return aligned(
+        attributor.attribute_from_cache(captured.final_train, captured.queries_final), captured
+    )
+
+
+IF_LAYER = "lm_head"  # the one nn.Linear of GPT-2 (its blocks use Conv1D)
+IF_DAMPING = 1e-3
+IF_CG_ITERATIONS = 50
+
+
+def mean_sequence_loss(model, batch: dict) -> torch.Tensor:
+    """Mean over the batch of the per-sentence mean token losses (the Hessian's objective)."""
+    return sequence_losses(model, batch).mean()
+
+
+def influence_lm_head(captured: Captured) -> torch.Tensor:
+    """Exact-Hessian influence ``g_iᵀ(H + λI)⁻¹q_j`` restricted to ``lm_head`` at ``θ_T``.
+
+    ``InfluenceFunctionAttributor`` maps stored rows to ``nn.Linear`` parameters only, and
+    every block layer of GPT-2 is a ``Conv1D``: the LM head (``n_embd × vocab`` weights, no
+    bias) is the one layer it can take. ``H`` is the Hessian over the LM head of the mean
+    training loss at ``θ_T`` (4 batches of 16 sentences, mean loss each), solved by CG
+    (``IF_CG_ITERATIONS`` iterations at most), ``λ = IF_DAMPING``.
+    """
+    model, data = final_model(captured)
+    head = model.get_submodule(IF_LAYER)
+    batches = [collate(data.finetune[s : s + 16]) for s in range(0, len(data.finetune), 16)]
+    attributor = attributor_class(INFLUENCE)(
+        arguments(captured),
+        task=AttributionTask(mean_sequence_loss, model),
+        hessian_batches=batches,
+        solver="cg",
+        damping=IF_DAMPING,
+        max_params=head.weight.numel() + (0 if head.bias is None else head.bias.numel()),
+        solver_options={"max_iter": IF_CG_ITERATIONS},
+    )
+    result = attributor.attribute_from_cache(
+        captured.final_train, captured.queries_final, layer_name=IF_LAYER
+    )
+    return aligned(result, captured)
+
+
+ADAMW = "AdamWInfluenceAttributor"
+DVEMB = "DVEmbAttributor"
+TRAK = "TRAKAttributor"
+DATAINF = "DataInfAttributor"
+INFLUENCE = "InfluenceFunctionAttributor"
+
+
 FROZEN = ("frozen",)
 PER_STEP = ("per_step_queries",)
 METHODS: dict[str, Method] = {
@@ -335,12 +444,12 @@ METHODS: dict[str, Method] = {
         tracin_final_queries, (), "TrajectoryTracInAttributor: η_t c_t-weighted = DVEmb with H=0"
     ),
     "LESS": Method(less, PER_STEP, "η_t-weighted cosine, queries at each θ_t"),
-    "AdamW-influence (full)": Method(adamw_influence(1)),
+    "AdamW-influence (full)": Method(adamw_influence(1), needs=(ADAMW,)),
     "AdamW-influence (8 masks)": Method(
-        adamw_influence(8), (), "8 disjoint per-layer coordinate groups, averaged"
+        adamw_influence(8), (), "8 disjoint per-layer coordinate groups, averaged", (ADAMW,)
     ),
-    "DVEmb (full H)": Method(dvemb("full")),
-    "DVEmb (diagonal H)": Method(dvemb("diagonal")),
+    "DVEmb (full H)": Method(dvemb("full"), needs=(DVEMB,)),
+    "DVEmb (diagonal H)": Method(dvemb("diagonal"), needs=(DVEMB,)),
     "LoGRA-style (k=32)": Method(lorif(32, None, 64), FROZEN, "θ_T, dense k² store, exact inverse"),
     "LoRIF (k=32, c=1, r=64)": Method(lorif(32, 1, 64), FROZEN, "θ_T, 9.6× less store"),
     "STRIDE": Method(
@@ -353,41 +462,55 @@ METHODS: dict[str, Method] = {
         (),
         "the same with the residual injection (stride_sweep.py's best variation)",
     ),
+    "TRAK (k=32)": Method(
+        trak,
+        (),
+        f"θ_T, live: margin gradients projected to k={TRAK_PROJECTION} per side (k² per layer), "
+        "default λ, "
+        "1 − p weights (its own gradient pass included)",
+        (TRAK,),
+    ),
+    "DataInf": Method(
+        datainf, FROZEN, "θ_T, per-layer rank-one inverses, λ = 0.1 × mean eigenvalue", (DATAINF,)
+    ),
+    "Influence function (lm_head only)": Method(
+        influence_lm_head,
+        FROZEN,
+        f"θ_T, exact Hessian of the mean training loss over lm_head only (GPT-2's blocks are "
+        f"Conv1D, which the attributor refuses), CG ≤ {IF_CG_ITERATIONS} iterations, "
+        f"λ = {IF_DAMPING:g}",
+        (INFLUENCE,),
+    ),
 }
-NEEDS = {
-    "AdamW-influence (full)": "AdamWInfluenceAttributor",
-    "AdamW-influence (8 masks)": "AdamWInfluenceAttributor",
-    "DVEmb (full H)": "DVEmbAttributor",
-    "DVEmb (diagonal H)": "DVEmbAttributor",
-}
 
 
-MODULES = {
-    "AdamWInfluenceAttributor": "dattri_llm.attribution.algorithm.adamw_influence",
-    "DVEmbAttributor": "dattri_llm.attribution.algorithm.dvemb",
-}
-
-
-def attributor_class(name: str) -> type:
-    """``dattri_llm.<name>``, else the class from its defining module (before it is exported)."""
+def attributor_class(spec: str) -> type:
+    """The class ``spec`` names: ``"Name"`` from ``dattri_llm``, or ``"module.path:Name"``."""
     import importlib
 
     import dattri_llm
 
-    try:
-        return getattr(dattri_llm, name)
-    except AttributeError:
-        return getattr(importlib.import_module(MODULES[name]), name)
+    if ":" in spec:
+        module, name = spec.split(":", 1)
+        return getattr(importlib.import_module(module), name)
+    return getattr(dattri_llm, spec)
+
+
+def needed_classes() -> set[str]:
+    """Class names every registry entry needs (``"module:Name"`` as ``Name``)."""
+    return {spec.rsplit(":", 1)[-1] for m in METHODS.values() for spec in m.needs}
 
 
 def unavailable() -> dict[str, str]:
     """``{method: reason}`` for registry entries whose attributor does not import."""
     reasons = {}
-    for method, name in NEEDS.items():
-        try:
-            attributor_class(name)
-        except (AttributeError, ImportError) as error:
-            reasons[method] = f"{name} does not import ({type(error).__name__}: {error})"
+    for method, entry in METHODS.items():
+        for spec in entry.needs:
+            try:
+                attributor_class(spec)
+            except (AttributeError, ImportError) as error:
+                reasons[method] = f"{spec} does not import ({type(error).__name__}: {error})"
+                break
     return reasons
 
 

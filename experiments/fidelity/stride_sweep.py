@@ -31,11 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capture import Captured  # noqa: E402
-from lds import draw_subsets, lds_per_query, subset_losses  # noqa: E402
 from methods import STRIDE_CONFIG, stride_attributor, stride_config_for  # noqa: E402
+from protocol import CACHE, lds_stat, lds_truth, loo_truth, machine, tsloo_stat  # noqa: E402
 from scoring import prepare  # noqa: E402
 from setting import SMOKE, Setting  # noqa: E402
-from tsloo import loo_ground_truth, machine, mean_se, spearman_per_query  # noqa: E402
 
 from dattri_llm import StrideConfig, hash_sample  # noqa: E402
 
@@ -91,11 +90,12 @@ def scored_config(attributor, data, train_ids, query_ids) -> dict:
     }
 
 
-def metrics(scores: torch.Tensor, truth, members, losses) -> dict:
+def metrics(scores: torch.Tensor, truth, subsets) -> dict:
     """TSLOO and LDS (mean, s.e.) and the share of non-zero scores."""
+    tsloo, lds = tsloo_stat(scores, truth), lds_stat(scores, subsets)
     return {
-        "tsloo": mean_se(spearman_per_query(scores, truth)),
-        "lds": mean_se(lds_per_query(scores, members, losses)),
+        "tsloo": (tsloo.mean, tsloo.se),
+        "lds": (lds.mean, lds.se),
         "nonzero": float((scores != 0).double().mean()),
     }
 
@@ -105,10 +105,9 @@ def run(setting: Setting, smoke: bool, out: Path) -> Path:
     t0 = time.perf_counter()
     prepared = prepare(setting)
     data = prepared.data
-    truth = loo_ground_truth(prepared.start, setting, data, torch.float32)
+    truth = loo_truth(prepared.start, setting, data, cache=CACHE)
     count = 12 if smoke else SUBSETS
-    members = draw_subsets(setting.num_finetune, count, FRACTION)
-    losses = subset_losses(prepared, members)
+    subsets = lds_truth(prepared.start, setting, data, count, FRACTION, cache=CACHE)
     truth_s = time.perf_counter() - t0
     print(f"ground truths in {truth_s:.0f} s", flush=True)
     model = prepared.reference_model.eval()
@@ -124,7 +123,7 @@ def run(setting: Setting, smoke: bool, out: Path) -> Path:
                 attributor = stride_attributor(captured, model, config)
                 run_ = scored_config(attributor, data, train_ids, query_ids)
             rows.append({"label": label, "config": config, **run_,
-                         **metrics(run_["scores"], truth, members, losses)})  # fmt: skip
+                         **metrics(run_["scores"], truth, subsets)})  # fmt: skip
             r = rows[-1]
             print(f"  {label:<24} TSLOO {r['tsloo'][0]:+.3f} LDS {r['lds'][0]:+.3f} "
                   f"fit {r['fit_s']:.1f} s", flush=True)  # fmt: skip
@@ -141,7 +140,7 @@ def run(setting: Setting, smoke: bool, out: Path) -> Path:
                     rows.append({"label": f"λ = {lam:g}·λ_max (default fit's u)",
                                  "config": fit.config, "fit_s": None, "query_s": lasso_s,
                                  "fidelity": None, "stability": None,
-                                 **metrics(weights, truth, members, losses)})  # fmt: skip
+                                 **metrics(weights, truth, subsets)})  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     info = {"setting": setting, "default": default, "total": time.perf_counter() - t0,
             "truth_s": truth_s, "count": count}  # fmt: skip

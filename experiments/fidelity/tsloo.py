@@ -3,13 +3,15 @@
 1. Pretrain a small GPT-2 on part of the quickstart corpus (no download).
 2. Fine-tune it along one fixed AdamW trajectory (seeded order, warm-up +
    linear decay, dropout 0, one torch thread, deterministic kernels).
-3. Ground truth: for each removed sample ``i``, replay EXACTLY that trajectory
-   without ``i`` and record ``Δ[i, j] = L_j(θ_T^{-i}) − L_j(θ_T)`` on every
-   query ``j`` (positive: ``i`` helped ``j``).
+3. Ground truth (``dattri_llm.evaluation.leave_one_out``, ``protocol.py``): for each
+   removed sample ``i``, replay EXACTLY that trajectory without ``i`` and record
+   ``Δ[i, j] = L_j(θ_T^{-i}) − L_j(θ_T)`` on every query ``j`` (positive: ``i`` helped
+   ``j``); resumable through ``--cache``.
 4. Capture the trajectory once with the library (``capture.py``) and score
    every method of the registry (``methods.py``) from the stores.
 5. Fidelity: per query, the Spearman correlation between a method's scores of
-   the removed samples and ``Δ[:, j]``; mean ± standard error over queries.
+   the removed samples and ``Δ[:, j]`` (``evaluation.loo_correlation``); mean ±
+   standard error and the library's bootstrap 95 % interval over queries.
 6. Noise ceiling: the same statistic between the float32 ground truth and a
    float64 replay of the whole protocol (see README.md).
 
@@ -18,15 +20,13 @@ Writes ``results/tsloo.md`` and ``results/tsloo.png`` (``--out DIR``); with
 1.0, no-decay biases and norms) ``results/tsloo_trainer.{md,png}``.
 
 Run:  python experiments/fidelity/tsloo.py [--setting trainer] [--smoke] [--out DIR]
+          [--cache DIR | --no-cache]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import math
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +35,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from methods import NEEDS, exported, unavailable  # noqa: E402
+from methods import exported, needed_classes, unavailable  # noqa: E402
+from protocol import CACHE, Stat, loo_truth, machine, tsloo_stat  # noqa: E402
 from scoring import (  # noqa: E402
     MEMORY_NOTE,
+    Prepared,
     Scored,
     capture_with_model,
     fresh_model,
@@ -48,7 +50,6 @@ from setting import (  # noqa: E402
     SMOKE,
     TRAINER,
     TRAINER_SMOKE,
-    Data,
     Setting,
     finetuned_parameters,
     lr_schedule,
@@ -56,86 +57,49 @@ from setting import (  # noqa: E402
     run_trajectory,
 )
 
-__all__ = ["fresh_model", "loo_ground_truth", "mean_se", "ranks", "spearman_per_query"]
+from dattri_llm.evaluation import LeaveOneOutResult, spearman  # noqa: E402
+
+__all__ = ["FIRST_ORDER_EPSILON", "first_order_limit", "main", "run"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIRST_ORDER_EPSILON = 1e-4
 
 
-# ---------------------------------------------------------------------------- ground truth
-def loo_ground_truth(
-    start: dict[str, torch.Tensor],
-    setting: Setting,
-    data: Data,
-    dtype: torch.dtype,
-    epsilon: float | None = None,
-) -> torch.Tensor:
-    """``Δ (num_removed, num_query)`` in ``dtype``: query-loss change on removing each sample.
+# ---------------------------------------------------------------------------- references
+def first_order_limit(prepared: Prepared, truth: LeaveOneOutResult) -> dict:
+    """The "First-order limit" reference row: exact ``∂L/∂w`` by float64 replays.
 
-    Every replay starts from the same pretrained weights ``start``. With
-    ``epsilon`` the sample is only down-weighted to ``1 − ε`` and ``Δ/ε`` is
-    returned: the infinitesimal (first-order) removal effect.
+    Each removed sample's loss is weighted ``1 − ε`` (``ε = FIRST_ORDER_EPSILON``) and
+    ``(L(1 − ε) − L) / ε`` is correlated with the ground truth. A sample weight is no
+    subset of kept indices, so ``evaluation.leave_one_out`` cannot express it: this keeps
+    its own loop. Self-contained (row, footnote, timing) so that it can be removed whole.
     """
-    model = fresh_model(start, setting, data, dtype)
-    run_trajectory(model, setting, data)
-    reference = query_losses(model, data)
-    weight = 0.0 if epsilon is None else 1.0 - epsilon
+    t = time.perf_counter()
+    p = prepared
+    model = fresh_model(p.start, p.setting, p.data, torch.float64)
+    run_trajectory(model, p.setting, p.data)
+    reference = query_losses(model, p.data)
     deltas = []
-    for removed in data.removed:
-        model = fresh_model(start, setting, data, dtype)
-        run_trajectory(model, setting, data, removed=removed, removed_weight=weight)
-        deltas.append(query_losses(model, data) - reference)
-    return torch.stack(deltas) / (1.0 if epsilon is None else epsilon)
-
-
-# ---------------------------------------------------------------------------- metrics
-def ranks(values: torch.Tensor) -> torch.Tensor:
-    """Average ranks (ties share their mean rank) along dim 0 of ``(n, m)``."""
-    n = values.shape[0]
-    order = values.argsort(dim=0)
-    sorted_values = values.gather(0, order)
-    positions = torch.arange(n, dtype=torch.float64).unsqueeze(1).expand_as(values).clone()
-    for col in range(values.shape[1]):  # average over runs of equal values
-        start = 0
-        for i in range(1, n + 1):
-            if i == n or sorted_values[i, col] != sorted_values[start, col]:
-                positions[start:i, col] = (start + i - 1) / 2
-                start = i
-    result = torch.empty_like(positions)
-    result.scatter_(0, order, positions)
-    return result
-
-
-def spearman_per_query(scores: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
-    """``(num_query,)`` Spearman correlations between the columns of two ``(n, m)`` matrices."""
-    a, b = ranks(scores.double()), ranks(truth.double())
-    a, b = a - a.mean(0), b - b.mean(0)
-    denom = (a.norm(dim=0) * b.norm(dim=0)).clamp_min(1e-300)
-    return (a * b).sum(0) / denom
-
-
-def mean_se(values: torch.Tensor) -> tuple[float, float]:
-    """Mean and standard error over queries."""
-    n = values.numel()
-    return float(values.mean()), float(values.std() / math.sqrt(n)) if n > 1 else 0.0
-
-
-# ---------------------------------------------------------------------------- report
-def machine() -> str:
-    """CPU model and core count from ``lscpu``, torch threads and versions."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-        cpu = f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPU(s)"
-        cpu += f" (nproc {len(os.sched_getaffinity(0))})"
-    except (OSError, subprocess.CalledProcessError):
-        cpu = "lscpu unavailable"
-    import transformers
-
-    return (
-        f"{cpu}; torch {torch.__version__} with {torch.get_num_threads()} thread, "
-        f"transformers {transformers.__version__}"
-    )
+    for removed in truth.removed:
+        model = fresh_model(p.start, p.setting, p.data, torch.float64)
+        run_trajectory(
+            model, p.setting, p.data, removed=removed, removed_weight=1.0 - FIRST_ORDER_EPSILON
+        )
+        deltas.append(query_losses(model, p.data) - reference)
+    stat = Stat.over(spearman(torch.stack(deltas) / FIRST_ORDER_EPSILON, truth.delta))
+    return {
+        "name": "First-order limit (exact ∂L/∂w by replay)",
+        "stat": stat,
+        "seconds": None,
+        "peak_mib": None,
+        "note": f"reference: replays with weight 1 − {FIRST_ORDER_EPSILON:g}",
+        "replay_seconds": time.perf_counter() - t,
+        "footnote": "First-order limit: the exact infinitesimal removal effect, (L(θ_T with "
+        f"the sample's loss weighted 1 − ε) − L(θ_T)) / ε with ε = {FIRST_ORDER_EPSILON:g}, by "
+        "float64 replays of the same trajectory, against the same ground truth. A first-order "
+        "method that were exact (every coordinate, the true Hessians, the exact AdamW maps) "
+        "would score this; the gap to 1 is the Taylor error of removing a whole sample.",
+    }
 
 
 def write_table(rows: list[dict], info: dict, out: Path) -> Path:
@@ -147,8 +111,8 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         "",
         f"- Date: {datetime.date.today().isoformat()}",
         f"- Machine: {info['machine']}",
-        f"- Total run time {info['total']:.0f} s (ground truth {info['truth']:.0f} s, "
-        f"float64 reference replays {info['ceiling_time']:.0f} s, captures "
+        f"- Total run time {info['total']:.0f} s (ground truth {info['truth']:.0f} s"
+        f"{info['cached']}, float64 reference replays {info['ceiling_time']:.0f} s, captures "
         f"{info['capture']:.0f} s).",
         f"- Model: GPT-2 (`GPT2Config`, n_embd={s.n_embd}, n_layer={s.n_layer}, "
         f"n_head={s.n_head}, vocab {info['vocab']}, 16 positions, dropout 0, untied LM head), "
@@ -184,8 +148,13 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         f"ground truth Δ = L(θ_T without i) − L(θ_T), mean |Δ| = {info['mean_abs_delta']:.2e}.",
         "- Sign convention: every score is positive when the sample HELPS the query "
         "(removing it raises the query loss), the sign of Δ.",
+        "- Ground truth and metric from `dattri_llm.evaluation`: `leave_one_out` (retrains "
+        "`train_fn(kept, seed)` = the pretrained start fine-tuned by `run_subset_trajectory` on "
+        "the kept samples; the trajectory is deterministic, so the seed is unused) and "
+        "`loo_correlation`.",
         "- Fidelity: per query, Spearman between scores and Δ over the removed samples; "
-        "mean ± standard error over queries.",
+        "mean ± standard error over queries, and the library's bootstrap 95 % interval over "
+        "queries (`mean_ci`, 2000 resamples, seed 0).",
         "- Attribution seconds: scoring from the stores plus the captures only that method needs "
         "(the frozen pass at θ_T for single-checkpoint methods, the query passes at every "
         "checkpoint for TracIn / LESS); training and the capture during training excluded (B.2). "
@@ -193,18 +162,18 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         "θ_T, the query measurement and the Lasso.",
         f"- {MEMORY_NOTE[0].upper()}{MEMORY_NOTE[1:]}.",
         "",
-        "| method | mean Spearman ± s.e. | attribution s | peak MiB | notes |",
-        "|:--|--:|--:|--:|:--|",
+        "| method | mean Spearman ± s.e. | 95 % CI | attribution s | peak MiB | notes |",
+        "|:--|--:|--:|--:|--:|:--|",
     ]
     for row in rows:
         seconds = "–" if row["seconds"] is None else f"{row['seconds']:.2f}"
         peak = "–" if row.get("peak_mib") is None else f"{row['peak_mib']:.1f}"
         lines.append(
-            f"| {row['name']} | {row['mean']:+.3f} ± {row['se']:.3f} | {seconds} | {peak} "
+            f"| {row['name']} | {row['stat'].cell()} | {row['stat'].ci()} | {seconds} | {peak} "
             f"| {row['note']} |"
         )
     for name, reason in info["skipped"].items():
-        lines.append(f"| {name} | not run | – | – | {reason} |")
+        lines.append(f"| {name} | not run | – | – | – | {reason} |")
     if info["unexported"]:
         lines += [
             "",
@@ -218,13 +187,8 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         "Repeated float32 replays are bit-identical "
         f"({'checked' if info['bitwise'] else 'NOT bit-identical'}), so rounding is the only "
         "noise left.",
-        "",
-        "First-order limit: the exact infinitesimal removal effect, (L(θ_T with the sample's "
-        f"loss weighted 1 − ε) − L(θ_T)) / ε with ε = {FIRST_ORDER_EPSILON:g}, by float64 "
-        "replays of the same trajectory, against the same ground truth. A first-order method "
-        "that were exact (every coordinate, the true Hessians, the exact AdamW maps) would "
-        "score this; the gap to 1 is the Taylor error of removing a whole sample.",
     ]
+    lines += ["", *(row["footnote"] for row in rows if "footnote" in row)]
     path = out / f"{stem(s)}.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
@@ -250,13 +214,15 @@ def write_plot(rows: list[dict], out: Path, setting: Setting) -> Path:
     markers = "osD^v<>pPX*h"
     methods = [r for r in rows if r["seconds"] is not None and r["name"] != "Random"]
     for k, row in enumerate(methods):
-        ax.errorbar(row["seconds"], row["mean"], yerr=row["se"], fmt=markers[k % len(markers)],
-                    capsize=3, label=f"{row['name']} ({row['mean']:.2f})")  # fmt: skip
+        stat = row["stat"]
+        ax.errorbar(row["seconds"], stat.mean, yerr=stat.se, fmt=markers[k % len(markers)],
+                    capsize=3, color=plt.cm.tab20(k % 20),
+                    label=f"{row['name']} ({stat.mean:.2f})")  # fmt: skip
     styles = iter(["--", ":", "-."])
     for row in rows:
         if row["seconds"] is None or row["name"] == "Random":
-            ax.axhline(row["mean"], ls=next(styles, "--"), lw=1, color="gray",
-                       label=f"{row['name']} ({row['mean']:.2f})")  # fmt: skip
+            ax.axhline(row["stat"].mean, ls=next(styles, "--"), lw=1, color="gray",
+                       label=f"{row['name']} ({row['stat'].mean:.2f})")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("attribution time (s, log scale)")
     ax.set_ylabel("mean query-wise Spearman with TSLOO")
@@ -271,77 +237,57 @@ def write_plot(rows: list[dict], out: Path, setting: Setting) -> Path:
 
 
 # ---------------------------------------------------------------------------- main
-def score_methods(captured, truth: torch.Tensor, removed: list[int]) -> list[dict]:
-    """Run every available registry entry; its fidelity, attribution time and peak memory."""
-    return [fidelity_row(scored, truth, removed) for scored in score_matrices(captured)]
-
-
-def fidelity_row(scored: Scored, truth: torch.Tensor, removed: list[int]) -> dict:
-    """A table row: the method's TSLOO Spearman (mean ± s.e. over queries) and its costs."""
-    mean, se = mean_se(spearman_per_query(scored.scores[removed], truth))
-    print(f"  {scored.name:<24} {mean:+.3f} ± {se:.3f}  {scored.seconds:7.2f} s", flush=True)
+def fidelity_row(scored: Scored, truth: LeaveOneOutResult) -> dict:
+    """A table row: the method's TSLOO Spearman (mean ± s.e., 95 % CI) and its costs."""
+    stat = tsloo_stat(scored.scores, truth)
+    print(f"  {scored.name:<24} {stat.cell()} {stat.ci()} {scored.seconds:7.2f} s", flush=True)
     return {
         "name": scored.name,
-        "mean": mean,
-        "se": se,
+        "stat": stat,
         "seconds": scored.seconds,
         "peak_mib": scored.peak_mib,
         "note": scored.note,
     }
 
 
-def run(setting: Setting, out: Path) -> Path:
+def noise_ceiling(prepared: Prepared, truth: LeaveOneOutResult, cache: Path | None) -> dict:
+    """The float32 ground truth against the whole protocol replayed in float64.
+
+    ``leave_one_out`` runs in float64 through a float64 ``train_fn`` (its own cache entry).
+    """
+    p = prepared
+    double = loo_truth(p.start, p.setting, p.data, dtype=torch.float64, cache=cache)
+    return {
+        "name": "Noise ceiling (float32 vs float64 TSLOO)",
+        "stat": Stat.over(spearman(double.delta, truth.delta)),
+        "seconds": None,
+        "peak_mib": None,
+        "note": "reference, not a method",
+    }
+
+
+def run(setting: Setting, out: Path, cache: Path | None = CACHE) -> Path:
     """The whole protocol; returns the table's path."""
     t0 = time.perf_counter()
     prepared = prepare(setting)
-    data, start = prepared.data, prepared.start
+    data = prepared.data
     print(f"{setting.num_steps} steps, lrs {[f'{x:.2g}' for x in lr_schedule(setting)]}")
 
     t = time.perf_counter()
-    truth = loo_ground_truth(start, setting, data, torch.float32)
+    truth = loo_truth(prepared.start, setting, data, cache=cache)
     truth_time = time.perf_counter() - t
     t = time.perf_counter()
-    ceiling = mean_se(
-        spearman_per_query(loo_ground_truth(start, setting, data, torch.float64), truth)
-    )
-    first_order = mean_se(
-        spearman_per_query(
-            loo_ground_truth(start, setting, data, torch.float64, epsilon=FIRST_ORDER_EPSILON),
-            truth,
-        )
-    )
+    references = [noise_ceiling(prepared, truth, cache), first_order_limit(prepared, truth)]
     ceiling_time = time.perf_counter() - t
-    print(
-        f"ground truth {truth_time:.0f} s; ceiling {ceiling[0]:.3f}, first-order limit "
-        f"{first_order[0]:.3f} ({ceiling_time:.0f} s)"
-    )
-
-    reference_model, bitwise = prepared.reference_model, prepared.bitwise
+    print(f"ground truth {truth_time:.0f} s; references {ceiling_time:.0f} s")
 
     with tempfile.TemporaryDirectory(prefix="tsloo_") as work:
         t = time.perf_counter()
         captured = capture_with_model(prepared, Path(work))
         capture_time = time.perf_counter() - t
-        rows = score_methods(captured, truth, data.removed)
+        rows = [fidelity_row(scored, truth) for scored in score_matrices(captured)]
         clip_coefficients = [captured.clip(step) for step in sorted(captured.dynamics)]
-    rows.append(
-        {
-            "name": "Noise ceiling (float32 vs float64 TSLOO)",
-            "mean": ceiling[0],
-            "se": ceiling[1],
-            "seconds": None,
-            "note": "reference, not a method",
-        }
-    )
-    rows.append(
-        {
-            "name": "First-order limit (exact ∂L/∂w by replay)",
-            "mean": first_order[0],
-            "se": first_order[1],
-            "seconds": None,
-            "note": f"reference: replays with weight 1 − {FIRST_ORDER_EPSILON:g}",
-        }
-    )
+    rows += references
     out.mkdir(parents=True, exist_ok=True)
     removed = data.removed
     info = {
@@ -349,19 +295,22 @@ def run(setting: Setting, out: Path) -> Path:
         "machine": machine(),
         "total": time.perf_counter() - t0,
         "truth": truth_time,
+        "cached": "" if cache is None else " (retrains cached, read back on a rerun)",
         "ceiling_time": ceiling_time,
         "capture": capture_time,
         "vocab": data.vocab_size,
         "num_pretrain": len(data.pretrain),
-        "num_params": sum(p.numel() for p in finetuned_parameters(reference_model, setting)),
+        "num_params": sum(
+            p.numel() for p in finetuned_parameters(prepared.reference_model, setting)
+        ),
         "removed": removed,
         "removed_desc": "all" if len(removed) == setting.num_finetune else f"{removed}",
         "num_queries": len(data.queries),
-        "mean_abs_delta": float(truth.abs().mean()),
-        "bitwise": bitwise,
-        "clipped_steps": sum(captured_clip < 1.0 for captured_clip in clip_coefficients),
+        "mean_abs_delta": float(truth.delta.abs().mean()),
+        "bitwise": prepared.bitwise,
+        "clipped_steps": sum(clip < 1.0 for clip in clip_coefficients),
         "skipped": unavailable(),
-        "unexported": sorted({n for n in NEEDS.values() if not exported(n)}),
+        "unexported": sorted({n for n in needed_classes() if not exported(n)}),
     }
     table = write_table(rows, info, out)
     plot = write_plot(rows, out, setting)
@@ -370,7 +319,7 @@ def run(setting: Setting, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    """Parse ``--setting`` / ``--smoke`` / ``--out`` and run."""
+    """Parse ``--setting`` / ``--smoke`` / ``--out`` / ``--cache`` and run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--setting", choices=["default", "trainer"], default="default",
@@ -378,10 +327,13 @@ def main(argv: list[str] | None = None) -> Path:
     )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="smallest setting (for the test)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the results")
+    parser.add_argument("--cache", type=Path, default=CACHE,
+                        help="resumable retrain results (experiments/fidelity/.cache)")  # fmt: skip
+    parser.add_argument("--no-cache", action="store_true", help="retrain everything, keep nothing")
     args = parser.parse_args(argv)
     settings = {("default", False): Setting(), ("default", True): SMOKE,
                 ("trainer", False): TRAINER, ("trainer", True): TRAINER_SMOKE}  # fmt: skip
-    return run(settings[args.setting, args.smoke], args.out)
+    return run(settings[args.setting, args.smoke], args.out, None if args.no_cache else args.cache)
 
 
 if __name__ == "__main__":

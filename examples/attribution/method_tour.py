@@ -18,7 +18,12 @@ ONCE, by hooks around the unchanged training loop:
 * ``segment_<k>/``: the training sentences' gradients at the end of each
   earlier segment of the run (``--source-segments`` near-equal spans of
   epochs; the weights are copied at each end and captured after training by a
-  frozen pass), for SOURCE, whose last segment reads ``final_train/``.
+  frozen pass), for SOURCE, whose last segment reads ``final_train/``;
+* ``snapshots/``: the parameters and the batch before every step of the WHOLE
+  run (``TrajectorySnapshots``) and ``training_dynamics.json``, what every
+  update applied from the optimizer's first (a ``TrainingDynamicsCallback`` on
+  a third ``HookManager``, hooking one small layer, active in all epochs), for
+  MAGIC, which replays the run from ``m = v = 0``.
 
 Then every method is scored from those stores on the same queries (no model
 needed), except the methods that capture for themselves, live on the final
@@ -31,6 +36,13 @@ model (their seconds include that capture):
 * TrackStar divides each gradient by the trained AdamW's second moment
   (the tour's optimizer) before projecting it.
 
+LoRIF reads the ``θ_T`` stores LoGRA-projected after the run (each factor of
+every hooked layer to ``k``; training records at rank ``c``; the top ``r``
+singular directions of each layer). MAGIC, the exact metagradient, replays
+the whole run from its snapshots and scores the rows of the captured steps
+(its seconds: the replay and the reverse sweep; the recording is in the
+capture time). Like AdamW-influence it scores helpful sentences negative.
+
 TRAK and TrackStar project every hooked layer to ``--proj-dim`` coordinates
 (their curvatures are ``D × D`` per layer). The exact-Hessian influence
 function scores ``lm_head`` only: it maps rows onto ``nn.Linear`` weights and
@@ -40,8 +52,8 @@ with the most helpful score) shares the query's topic. Chance is about 1 in 5.
 
 Every loss is a SUM over the batch of each sentence's mean token loss, so a
 captured per-sample gradient is that sentence's own gradient (README, "Loss
-reduction"); the trajectory methods and TrackStar are told so with
-``loss_reduction="sum"``.
+reduction"); the trajectory methods, TrackStar and MAGIC are told so with
+``loss_reduction="sum"`` (the tour does not clip: MAGIC's ``max_grad_norm=None``).
 
 Run:  python examples/attribution/method_tour.py [--epochs 12 --captured-epochs 2 ...]
       (``--help`` lists the sizes: projection, SOURCE segments, CG iterations, ...)

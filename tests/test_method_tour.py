@@ -30,7 +30,7 @@ METHODS = [
 SMALL = [
     "--epochs", "2", "--captured-epochs", "1", "--queries", "3", "--n-embd", "32",
     "--stride-steps", "30", "--proj-dim", "64", "--source-segments", "2",
-    "--influence-iterations", "3",
+    "--influence-iterations", "3", "--lorif-k", "16", "--lorif-svd-rank", "32",
 ]  # fmt: skip
 
 
@@ -81,5 +81,5 @@ def test_method_tour_scores_every_method_and_prints_one_table(capsys):
     assert "peak MiB: rise of the process's peak resident set size" in out
     assert "InfluenceFunc: lm_head only" in out
     assert "SOURCE: 2 segment(s) ending at epochs [1, 2]" in out
-    assert "LoRIF: k = 32 per factor, c = 1, r = 64" in out
+    assert "LoRIF: k = 16 per factor, c = 1, r = 32" in out
     assert "MAGIC: the exact metagradient" in out

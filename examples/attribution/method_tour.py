@@ -735,13 +735,15 @@ def parse_args(argv: Sequence[str] | None) -> Tour:
     parser.add_argument("--projection", choices=("mask", "dense"), default=default.projection)
     parser.add_argument("--source-segments", type=int, default=default.source_segments)
     parser.add_argument("--influence-iterations", type=int, default=default.influence_iterations)
+    parser.add_argument("--lorif-k", type=int, default=default.lorif_k)
+    parser.add_argument("--lorif-svd-rank", type=int, default=default.lorif_r)
     args = parser.parse_args(argv)
     if not 1 <= args.captured_epochs <= args.epochs:
         parser.error("--captured-epochs must be between 1 and --epochs")
     if not 1 <= args.source_segments <= args.epochs:
         parser.error("--source-segments must be between 1 and --epochs (one checkpoint each)")
-    if args.proj_dim < 1 or args.influence_iterations < 1:
-        parser.error("--proj-dim and --influence-iterations must be >= 1")
+    if min(args.proj_dim, args.influence_iterations, args.lorif_k, args.lorif_svd_rank) < 1:
+        parser.error("--proj-dim, --influence-iterations, --lorif-k, --lorif-svd-rank must be >= 1")
     if not 1 <= args.queries <= len(QUERIES):
         parser.error(f"--queries must be between 1 and {len(QUERIES)}")
     return Tour(
@@ -754,6 +756,8 @@ def parse_args(argv: Sequence[str] | None) -> Tour:
         projection=args.projection,
         source_segments=args.source_segments,
         influence_iterations=args.influence_iterations,
+        lorif_k=args.lorif_k,
+        lorif_r=args.lorif_svd_rank,
     )
 
 

@@ -67,17 +67,22 @@ class WordTokenizer:
         }
 
 
+def sentence_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each sentence's mean next-token loss, ``(B,)`` (padding not counted)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    return token_loss.sum(1) / (targets != -100).sum(1)
+
+
 def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sum over the batch of each sentence's mean next-token loss.
 
     Summing over samples makes each captured per-sample gradient the gradient
     of that sentence's own loss.
     """
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-    token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-    return (token_loss.sum(1) / (targets != -100).sum(1)).sum()
+    return sentence_losses(model, batch).sum()
 
 
 def train(model: torch.nn.Module, train_set: list[dict[str, torch.Tensor]], epochs: int) -> None:

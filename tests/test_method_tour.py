@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import warnings
 from pathlib import Path
 
 TOUR = Path(__file__).resolve().parents[1] / "examples" / "attribution" / "method_tour.py"
@@ -14,6 +15,7 @@ METHODS = [
     "TracIn",
     "K-FAC",
     "EK-FAC",
+    "LoRIF",
     "LESS",
     "AdamW-influence",
     "DVEmb",
@@ -23,11 +25,12 @@ METHODS = [
     "DataInf",
     "InfluenceFunc",
     "SOURCE",
+    "MAGIC",
 ]
 SMALL = [
     "--epochs", "2", "--captured-epochs", "1", "--queries", "3", "--n-embd", "32",
     "--stride-steps", "30", "--proj-dim", "64", "--source-segments", "2",
-    "--influence-iterations", "3",
+    "--influence-iterations", "3", "--lorif-k", "16", "--lorif-svd-rank", "32",
 ]  # fmt: skip
 
 
@@ -41,8 +44,18 @@ def load_tour():
 
 
 def test_method_tour_scores_every_method_and_prints_one_table(capsys):
-    rows = load_tour().main(SMALL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = load_tour().main(SMALL)
     out = capsys.readouterr().out
+    # MAGIC's replay reproduces the recorded run (no dropout, the summed loss, no clip):
+    # its checks warn on a parameter mismatch, a clip mismatch or a loss reduction mismatch.
+    mismatches = [
+        str(w.message)
+        for w in caught
+        if "the replayed" in str(w.message) or "per-sample losses reduce" in str(w.message)
+    ]
+    assert not mismatches, mismatches
 
     assert [row.method for row in rows] == METHODS
     hits = {}
@@ -59,10 +72,14 @@ def test_method_tour_scores_every_method_and_prints_one_table(capsys):
     # largest score instead of its most negative one finds no same-topic proponent here.
     for method in METHODS:
         # LESS's rows follow the batch momentum (see the footnote); STRIDE's short fit on a
-        # 2-epoch model is not asked to find topics (its range is checked above)
-        if method not in ("LESS", "STRIDE"):
+        # 2-epoch model is not asked to find topics (its range is checked above); MAGIC's
+        # exact rows grow going back through the updates, so its sum follows the earliest
+        # captured steps (see the footnote; 1/3 here)
+        if method not in ("LESS", "STRIDE", "MAGIC"):
             assert hits[method] >= 2, (method, out)
     assert "its top proponent is its most negative row" in out
     assert "peak MiB: rise of the process's peak resident set size" in out
     assert "InfluenceFunc: lm_head only" in out
     assert "SOURCE: 2 segment(s) ending at epochs [1, 2]" in out
+    assert "LoRIF: k = 16 per factor, c = 1, r = 32" in out
+    assert "MAGIC: the exact metagradient" in out

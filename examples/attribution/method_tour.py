@@ -18,7 +18,12 @@ ONCE, by hooks around the unchanged training loop:
 * ``segment_<k>/``: the training sentences' gradients at the end of each
   earlier segment of the run (``--source-segments`` near-equal spans of
   epochs; the weights are copied at each end and captured after training by a
-  frozen pass), for SOURCE, whose last segment reads ``final_train/``.
+  frozen pass), for SOURCE, whose last segment reads ``final_train/``;
+* ``snapshots/``: the parameters and the batch before every step of the WHOLE
+  run (``TrajectorySnapshots``) and ``training_dynamics.json``, what every
+  update applied from the optimizer's first (a ``TrainingDynamicsCallback`` on
+  a third ``HookManager``, hooking one small layer, active in all epochs), for
+  MAGIC, which replays the run from ``m = v = 0``.
 
 Then every method is scored from those stores on the same queries (no model
 needed), except the methods that capture for themselves, live on the final
@@ -31,6 +36,13 @@ model (their seconds include that capture):
 * TrackStar divides each gradient by the trained AdamW's second moment
   (the tour's optimizer) before projecting it.
 
+LoRIF reads the ``θ_T`` stores LoGRA-projected after the run (each factor of
+every hooked layer to ``k``; training records at rank ``c``; the top ``r``
+singular directions of each layer). MAGIC, the exact metagradient, replays
+the whole run from its snapshots and scores the rows of the captured steps
+(its seconds: the replay and the reverse sweep; the recording is in the
+capture time). Like AdamW-influence it scores helpful sentences negative.
+
 TRAK and TrackStar project every hooked layer to ``--proj-dim`` coordinates
 (their curvatures are ``D × D`` per layer). The exact-Hessian influence
 function scores ``lm_head`` only: it maps rows onto ``nn.Linear`` weights and
@@ -40,8 +52,8 @@ with the most helpful score) shares the query's topic. Chance is about 1 in 5.
 
 Every loss is a SUM over the batch of each sentence's mean token loss, so a
 captured per-sample gradient is that sentence's own gradient (README, "Loss
-reduction"); the trajectory methods and TrackStar are told so with
-``loss_reduction="sum"``.
+reduction"); the trajectory methods, TrackStar and MAGIC are told so with
+``loss_reduction="sum"`` (the tour does not clip: MAGIC's ``max_grad_norm=None``).
 
 Run:  python examples/attribution/method_tour.py [--epochs 12 --captured-epochs 2 ...]
       (``--help`` lists the sizes: projection, SOURCE segments, CG iterations, ...)
@@ -72,12 +84,15 @@ from dattri_llm import (
     DataInfAttributor,
     DVEmbAttributor,
     EKFACAttributor,
+    GradientRecord,
     GradientStorageManager,
     HookManager,
     HookManagerConfig,
     InfluenceFunctionAttributor,
     KFACAttributor,
     LESSAttributor,
+    LoRIFAttributor,
+    MetagradientAttributor,
     OffloadCallback,
     OptimizerStateCallback,
     SourceAttributor,
@@ -85,6 +100,8 @@ from dattri_llm import (
     StrideConfig,
     TracInAttributor,
     TrackStarAttributor,
+    TrainingDynamicsCallback,
+    TrajectorySnapshots,
     TrajectoryTracInAttributor,
     TRAKAttributor,
     hash_sample,
@@ -93,7 +110,7 @@ from dattri_llm import (
 from dattri_llm.attribution.utils import write_lr_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quickstart import MAX_LEN, WordTokenizer, loss_fn  # noqa: E402  (summed loss)
+from quickstart import MAX_LEN, WordTokenizer, loss_fn, sentence_losses  # noqa: E402
 from quickstart_corpus import CORPUS, QUERIES  # noqa: E402
 
 # Hooked (and scored) layers: the MLPs of the transformer blocks and the output head.
@@ -101,6 +118,9 @@ HOOKED_LAYERS = [r"\.mlp\.", r"^lm_head$"]
 # The exact-Hessian influence function maps stored rows onto nn.Linear weights only: GPT-2's
 # MLPs are HF Conv1D layers, so it scores the output head (an nn.Linear) alone.
 INFLUENCE_LAYER = "lm_head"
+# The metagradient's record of every update: a HookManager on this one small layer only lets
+# a TrainingDynamicsCallback see each backward of the whole run (it captures nothing else).
+DYNAMICS_LAYER = r"^transformer\.h\.0\.attn\.c_proj$"
 # AdamWInfluenceAttributor's rows are −qᵀW·push(g), ``push`` being the change of the
 # optimizer state when the sample is REMOVED: a helpful sample scores NEGATIVE. Every
 # other method scores helpful samples positive. Each score records its ``polarity``
@@ -130,6 +150,11 @@ class Tour:
     # default size 30 iterations come within 0.4% of a 120-iteration solve (16% at λ = 1e-3)
     influence_damping: float = 1e-2
     influence_iterations: int = 30
+    # LoRIF: each factor LoGRA-projected to k (D = k² per layer), training records stored at
+    # rank c, the top r singular directions of each layer's training matrix kept
+    lorif_k: int = 32
+    lorif_c: int = 1
+    lorif_r: int = 64
     seed: int = 0
 
 
@@ -167,6 +192,12 @@ class Stores:
     def queries(self) -> Path:
         """Query gradients at ``θ_T``."""
         return self.root / "queries"
+
+    @property
+    def snapshots(self) -> Path:
+        """The whole run's parameters and batch before every step, with
+        ``training_dynamics.json`` (every update), for the metagradient's replay."""
+        return self.root / "snapshots"
 
     @property
     def segments(self) -> list[Path]:
@@ -239,7 +270,8 @@ def train_and_capture(
     tour: Tour,
     root: Path,
 ) -> Stores:
-    """Train with AdamW (linearly decaying lr); capture the last epochs and ``θ_T``."""
+    """Train with AdamW (linearly decaying lr); capture the last epochs and ``θ_T``; record
+    the whole run's snapshots and updates (the metagradient replays it from the first)."""
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=tour.learning_rate, weight_decay=tour.weight_decay
     )
@@ -255,10 +287,17 @@ def train_and_capture(
     ends = segment_ends(tour)
     step_lrs: list[float] = []  # every step's learning rate, for SOURCE's segment sums
     snapshots: list[dict] = []  # the weights at every segment end but the last (θ_T)
+    replay = TrajectorySnapshots(stores.snapshots)
+    updates = TrainingDynamicsCallback(model, optimizer)
+    whole_run = HookManager(
+        model, config=HookManagerConfig(linear_io=[DYNAMICS_LAYER]), callbacks=[updates]
+    )
 
     def one_epoch(after_step: Callable[[], None] = lambda: None) -> None:
         for batch in loader:
             optimizer.zero_grad(set_to_none=True)
+            replay.save_parameters(len(step_lrs), model)  # θ_t before the step's backward
+            replay.save_batch(len(step_lrs), batch)
             loss_fn(model, batch).backward()  # summed loss
             optimizer.step()
             step_lrs.append(optimizer.param_groups[0]["lr"])
@@ -266,10 +305,6 @@ def train_and_capture(
             schedule.step()
         if len(step_lrs) // len(loader) in ends[:-1]:
             snapshots.append(copy.deepcopy(model.state_dict()))
-
-    model.train()
-    for _ in range(tour.epochs - tour.captured_epochs):
-        one_epoch()
 
     raw = offloading(model, stores.trajectory)
     states = OptimizerStateCallback(model, optimizer)
@@ -280,9 +315,14 @@ def train_and_capture(
         step = raw.steps_collected - 1  # the step the backward just completed
         stores.lrs[step] = optimizer.param_groups[0]["lr"]
 
-    with raw.collect(deregister_on_exit=True), preconditioned.collect(deregister_on_exit=True):
-        for _ in range(tour.captured_epochs):
-            one_epoch(record_step)
+    model.train()
+    with whole_run.collect(deregister_on_exit=True):  # every update, from the first
+        for _ in range(tour.epochs - tour.captured_epochs):
+            one_epoch()
+        with raw.collect(deregister_on_exit=True), preconditioned.collect(deregister_on_exit=True):
+            for _ in range(tour.captured_epochs):
+                one_epoch(record_step)
+    updates.save(stores.snapshots)  # training_dynamics.json beside the snapshots
     for directory in (stores.trajectory, stores.preconditioned):
         write_lr_schedule(directory, stores.lrs)
     states.save(stores.trajectory)
@@ -487,6 +527,61 @@ def source(stores: Stores, tour: Tour) -> AttributionScore:
     return attributor.attribute_from_cache(stores.segments, stores.queries)
 
 
+def logra_copy(source: Path, target: Path, tour: Tour, low_rank: int | None) -> Path:
+    """``source``'s gradients LoGRA-projected post hoc (each factor of every hooked layer to
+    ``lorif_k``, ``D = k²``) into a new store ``target``, its records at rank ``low_rank``
+    (``None``: the projected factors as they are). Same seed, so both sides share the maps."""
+    projection = {
+        "__default__": {"style": "logra", "proj_dim": tour.lorif_k, "proj_seed": tour.seed}
+    }
+    origin = GradientStorageManager(str(source))
+    store = GradientStorageManager(str(target), low_rank=low_rank)
+    store.declare_projection(projection)
+    for location in origin.locations():
+        store.save_bulk(
+            [
+                GradientRecord(
+                    r.step, r.input_hash, r.gradient.project(None, projection), r.sample_id_key
+                )
+                for r in origin.load_records(location)
+            ]
+        )
+    return target
+
+
+def lorif(stores: Stores, tour: Tour) -> AttributionScore:
+    """LoRIF ``g_iᵀ(GᵀG/N + λI)⁻¹q`` at ``θ_T``: the ``θ_T`` stores LoGRA-projected to ``k``
+    per factor, training records at rank ``c``, the top ``r`` singular directions of ``G``
+    (per layer, default λ); its seconds include the projection of both stores."""
+    work = Path(tempfile.mkdtemp(dir=stores.root, prefix="lorif_"))
+    train = logra_copy(stores.final_train, work / "train", tour, low_rank=tour.lorif_c)
+    queries = logra_copy(stores.queries, work / "queries", tour, low_rank=None)
+    attributor = LoRIFAttributor(
+        arguments(tour, stores.root), rank=tour.lorif_c, svd_rank=tour.lorif_r
+    )
+    return attributor.attribute_from_cache(train, queries)
+
+
+def magic(stores: Stores, tour: Tour) -> AttributionScore:
+    """MAGIC, the exact metagradient ``dL_q(θ_T)/dw_i`` through every AdamW update of the
+    whole run (replayed from its snapshots, full Hessian, lr schedule and weight decay as
+    recorded; no clip); the queries are data; polarity -1."""
+    attributor = MetagradientAttributor(
+        arguments(tour, stores.root),
+        task=AttributionTask(loss_fn, stores.model),
+        sample_loss_func=sentence_losses,
+        sample_target_func=sentence_losses,
+    )
+    steps = TrajectorySnapshots(stores.snapshots).steps()
+    return attributor.attribute_from_cache(
+        stores.snapshots,
+        stores.query_set,
+        selected_training_steps=steps[-len(stores.lrs) :],  # the captured epochs' rows
+        loss_reduction="sum",
+        max_grad_norm=None,  # the tour does not clip
+    )
+
+
 @dataclass(frozen=True)
 class Method:
     """A table entry: how to score and what it reads."""
@@ -501,6 +596,7 @@ METHODS: dict[str, Method] = {
     "TracIn": Method(tracin, "trajectory"),
     "K-FAC": Method(kronecker(KFACAttributor), "theta_T"),
     "EK-FAC": Method(kronecker(EKFACAttributor), "theta_T"),
+    "LoRIF": Method(lorif, "theta_T (LoGRA-projected)"),
     "LESS": Method(less, "trajectory (preconditioned)"),
     "AdamW-influence": Method(adamw_influence, "trajectory + Adam moments"),
     "DVEmb": Method(dvemb, "trajectory"),
@@ -510,7 +606,7 @@ METHODS: dict[str, Method] = {
     "DataInf": Method(datainf, "theta_T"),
     "InfluenceFunc": Method(influence, "theta_T (lm_head only)"),
     "SOURCE": Method(source, "segment ends"),
-    # MAGIC (metagradient attribution, which replays the training run) goes here.
+    "MAGIC": Method(magic, "whole-run snapshots (replay)"),
 }
 
 
@@ -595,7 +691,7 @@ def print_table(rows: list[Row], tour: Tour, capture_seconds: float) -> None:
         "theta_T: training gradients at the final weights; trajectory: the steps of the last "
         f"{tour.captured_epochs} of {tour.epochs} epochs; queries at the final weights.",
         f"seconds: scoring from the stores only (training + the one capture, SOURCE's "
-        f"segment stores included: {capture_seconds:.1f} s); CPU, "
+        f"segment stores and MAGIC's recording included: {capture_seconds:.1f} s); CPU, "
         f"{torch.get_num_threads()} torch thread(s). STRIDE's seconds are its whole run: the "
         f"operator fit ({tour.stride_steps} steps) against the final model, the query "
         "measurement and the Lasso. TRAK's and TrackStar's include their own capture (a "
@@ -608,6 +704,18 @@ def print_table(rows: list[Row], tour: Tour, capture_seconds: float) -> None:
         f"SOURCE: {tour.source_segments} segment(s) ending at epochs "
         f"{segment_ends(tour)}; per segment EK-FAC at its end and eta-bar = its steps' summed "
         "learning rates (AdamW's rates, read as SGD step sizes).",
+        f"LoRIF: k = {tour.lorif_k} per factor, c = {tour.lorif_c}, r = {tour.lorif_r}: the "
+        "theta_T stores LoGRA-projected after the run (each layer's two factors to k, "
+        "D = k^2 per layer), training records at rank c, the top r singular directions of "
+        "each layer's training matrix, damping 0.1 x the layer's mean eigenvalue; its "
+        "seconds include projecting both stores.",
+        "MAGIC: the exact metagradient dL_q(theta_T)/dw_i through every AdamW update of the "
+        "whole run, replayed from the first (full Hessian, the recorded learning rates and "
+        "weight decay, no clip; polarity -1 like AdamW-influence). Rows of the captured steps "
+        "only: the reverse sweep stops at the earliest. Its seconds are the replay and the "
+        "reverse sweep; recording (the parameters and batch before every step, every update "
+        "through a HookManager on one small layer) is in the capture time. Its rows grow "
+        "going back through the updates, so their sum follows the earliest captured steps.",
         MEMORY_NOTE + ".",
     ]
     print("\n" + "\n".join(f"* {note}" for note in notes))
@@ -627,13 +735,15 @@ def parse_args(argv: Sequence[str] | None) -> Tour:
     parser.add_argument("--projection", choices=("mask", "dense"), default=default.projection)
     parser.add_argument("--source-segments", type=int, default=default.source_segments)
     parser.add_argument("--influence-iterations", type=int, default=default.influence_iterations)
+    parser.add_argument("--lorif-k", type=int, default=default.lorif_k)
+    parser.add_argument("--lorif-svd-rank", type=int, default=default.lorif_r)
     args = parser.parse_args(argv)
     if not 1 <= args.captured_epochs <= args.epochs:
         parser.error("--captured-epochs must be between 1 and --epochs")
     if not 1 <= args.source_segments <= args.epochs:
         parser.error("--source-segments must be between 1 and --epochs (one checkpoint each)")
-    if args.proj_dim < 1 or args.influence_iterations < 1:
-        parser.error("--proj-dim and --influence-iterations must be >= 1")
+    if min(args.proj_dim, args.influence_iterations, args.lorif_k, args.lorif_svd_rank) < 1:
+        parser.error("--proj-dim, --influence-iterations, --lorif-k, --lorif-svd-rank must be >= 1")
     if not 1 <= args.queries <= len(QUERIES):
         parser.error(f"--queries must be between 1 and {len(QUERIES)}")
     return Tour(
@@ -646,6 +756,8 @@ def parse_args(argv: Sequence[str] | None) -> Tour:
         projection=args.projection,
         source_segments=args.source_segments,
         influence_iterations=args.influence_iterations,
+        lorif_k=args.lorif_k,
+        lorif_r=args.lorif_svd_rank,
     )
 
 

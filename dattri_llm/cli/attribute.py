@@ -33,17 +33,15 @@ from dattri_llm.attribution.algorithm.stride import StrideAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.cli.arguments import (
-    LIVE_METHODS,
-    STRIDE_METHOD,
     AttributeStoreArguments,
     CaptureArguments,
     LiveDataArguments,
     LiveModelArguments,
-    MethodArguments,
 )
 from dattri_llm.cli.capture import input_plan, load_inputs
 from dattri_llm.cli.data import TokenizedSet
 from dattri_llm.cli.errors import CLIError
+from dattri_llm.cli.method_arguments import LIVE_METHODS, STRIDE_METHOD, MethodArguments
 from dattri_llm.cli.methods import build_attributor, check_not_stride
 from dattri_llm.cli.model import causal_lm_loss
 from dattri_llm.cli.plan import preflight, store_preflight

@@ -26,7 +26,8 @@ from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.topk import TopK
-from dattri_llm.cli.arguments import (
+from dattri_llm.cli.errors import CLIError
+from dattri_llm.cli.method_arguments import (
     FIT_METHODS,
     LESS_METHOD,
     LIVE_ONLY_METHODS,
@@ -34,7 +35,6 @@ from dattri_llm.cli.arguments import (
     TRAJECTORY_METHODS,
     MethodArguments,
 )
-from dattri_llm.cli.errors import CLIError
 from dattri_llm.cli.output import CONFIG_FILE, STORE_DIRS
 from dattri_llm.cli.stores import capture_config
 from dattri_llm.task import AttributionTask

@@ -25,13 +25,13 @@ from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.planning import RunPlan, format_bytes, measure_capture_seconds, plan_run
 from dattri_llm.cli.arguments import (
     CaptureArguments,
-    MethodArguments,
     ModelArguments,
     PlanArguments,
     PlanDataArguments,
 )
 from dattri_llm.cli.data import TokenizedSet, load_records, tokenize
 from dattri_llm.cli.errors import CLIError
+from dattri_llm.cli.method_arguments import MethodArguments
 from dattri_llm.cli.methods import check_not_stride
 from dattri_llm.cli.model import causal_lm_loss, load_config, load_model, load_tokenizer
 from dattri_llm.cli.stores import capture_arguments, captured_sets

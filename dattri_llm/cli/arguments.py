@@ -292,8 +292,9 @@ class AttributeStoreArguments(StoreArguments):
         default=None,
         metadata={
             "help": "Output directory of a dattri-llm capture run. Without it: live attribute "
-            "from --model, --train_data and --query_data (graddot, gradcos, kfac, ekfac, "
-            "stride; no store written). stride reads no store and runs live only."
+            "from --model, --train_data and --query_data (graddot, gradcos, kfac, ekfac; no "
+            "store written). stride, trak, datainf, influence, trackstar and metagradient read "
+            "no store and run live only."
         },
     )
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dattri_llm.attribution.algorithm.stride import StrideConfig
+from dattri_llm.attribution.algorithm.trackstar import DEFAULT_MIXING
 
 __all__ = [
     "FIT_METHODS",
@@ -20,9 +21,12 @@ __all__ = [
     "LESS_METHOD",
     "LIVE_METHODS",
     "LIVE_ONLY_METHODS",
+    "METAGRADIENT_METHOD",
     "METHODS",
+    "OPTIMIZER_PARAM_ORDERS",
     "STRIDE_METHOD",
     "STRIDE_OPTIONS",
+    "TRACKSTAR_METHOD",
     "TRAJECTORY_METHODS",
     "MethodArguments",
 ]
@@ -30,7 +34,12 @@ __all__ = [
 TRAJECTORY_METHODS = ("trajectory_tracin", "dvemb", "adamw_influence")  # need `capture --train`
 LESS_METHOD = "less"  # needs `capture --train --less` (Adam-preconditioned train gradients)
 STRIDE_METHOD = "stride"  # no per-sample gradients: live `attribute` only, no store
-LIVE_ONLY_METHODS = ("trak", "datainf", "influence")  # live `attribute` only, as STRIDE
+TRACKSTAR_METHOD = "trackstar"  # needs the trained model's optimizer state (--optimizer_state)
+METAGRADIENT_METHOD = "metagradient"  # trains from --model itself, recording the run to replay
+# Live `attribute` only, as STRIDE.
+LIVE_ONLY_METHODS = ("trak", "datainf", "influence", TRACKSTAR_METHOD, METAGRADIENT_METHOD)
+# How --optimizer_state's parameter indices map to the model's parameters (the first: default).
+OPTIMIZER_PARAM_ORDERS = ("trainer", "model")
 INFLUENCE_SOLVERS = ("cg", "lissa", "direct")  # influence: how (H + damping I)^-1 is applied
 METHODS = (
     "graddot", "tracin", "gradcos", "kfac", "ekfac", "lorif", *TRAJECTORY_METHODS, LESS_METHOD,
@@ -58,16 +67,19 @@ class MethodArguments:
             "`capture --train` (adamw_influence: a more negative score is more helpful); "
             "less (LESS) the run of a `capture --train --less`. stride (STRIDE) needs no "
             "gradients and runs only as a live attribute (--model, --train_data, --query_data), "
-            "as do trak (TRAK), datainf (DataInf) and influence (exact-Hessian influence "
-            "functions, small nn.Linear layers only)."
+            "as do trak (TRAK), datainf (DataInf), influence (exact-Hessian influence "
+            "functions, small nn.Linear layers only), trackstar (TrackStar: needs "
+            "--optimizer_state) and metagradient (exact metagradients: trains the model one "
+            "epoch with the optimizer options while recording the run, then differentiates the "
+            "queries' losses through it; a more negative score is more helpful)."
         },
     )
     damping: float | None = field(
         default=None,
         metadata={
-            "help": "kfac / ekfac / lorif / trak / datainf / influence damping (default: 1e-3 "
-            "for kfac, ekfac and influence; 0.1 x each layer's mean eigenvalue for lorif, "
-            "trak and datainf)."
+            "help": "kfac / ekfac / lorif / trak / datainf / influence / trackstar damping "
+            "(default: 1e-3 for kfac, ekfac and influence; 0.1 x each layer's mean eigenvalue "
+            "for lorif, trak, datainf and trackstar)."
         },
     )
     influence_solver: str = field(
@@ -92,6 +104,33 @@ class MethodArguments:
         metadata={
             "help": "kfac / ekfac / lorif: the output directory of `dattri-llm fit` whose fit "
             "is reused (no pass over the training store for the curvature)."
+        },
+    )
+    optimizer_state: str | None = field(
+        default=None,
+        metadata={
+            "help": "trackstar (required): the trained model's saved optimizer state, "
+            "torch.save(optimizer.state_dict()) of an Adam, AdamW or Adafactor (e.g. the "
+            "optimizer.pt of a Hugging Face Trainer checkpoint); its second moment normalises "
+            "the gradients."
+        },
+    )
+    optimizer_param_order: str = field(
+        default=OPTIMIZER_PARAM_ORDERS[0],
+        metadata={
+            "help": "trackstar: how --optimizer_state's parameter indices map to --model's "
+            "parameters: trainer (the names saved with the state when it has them, else "
+            "Hugging Face Trainer's order: the weight-decayed parameters first, then biases "
+            "and norm weights) | model (model.named_parameters() order: an optimizer built "
+            "over model.parameters())."
+        },
+    )
+    trackstar_mixing: float | None = field(
+        default=None,
+        metadata={
+            "help": "trackstar: weight in [0, 1] of the training rows' second moment in the "
+            "whitening matrix (the rest: the queries'); 1 uses the training rows only "
+            f"(default {DEFAULT_MIXING})."
         },
     )
     stride_rank: int | None = field(
@@ -130,7 +169,8 @@ class MethodArguments:
     )
 
     def __post_init__(self) -> None:
-        """``ValueError`` for an unknown method, or STRIDE options that are bad or misplaced."""
+        """``ValueError`` for an unknown method, or STRIDE / TrackStar options that are bad or
+        misplaced (given with another method)."""
         name = self.method.lower()
         self.method = name.replace("-", "_") if name.replace("-", "_") in METHODS else name
         self.method = self.method.replace("-", "")
@@ -144,6 +184,7 @@ class MethodArguments:
             )
         if self.method == STRIDE_METHOD:
             self.stride_config()
+        self._check_trackstar_options()
         if self.influence_solver not in INFLUENCE_SOLVERS:
             raise ValueError(
                 f"--influence_solver must be one of {list(INFLUENCE_SOLVERS)}, "
@@ -153,6 +194,30 @@ class MethodArguments:
             raise ValueError(
                 f"--influence_max_params must be >= 1, got {self.influence_max_params}"
             )
+
+    def _check_trackstar_options(self) -> None:
+        """``ValueError`` for TrackStar options that are bad, or given to another method."""
+        given = [
+            f"--{name}"
+            for name, unset in (
+                ("optimizer_state", None),
+                ("optimizer_param_order", OPTIMIZER_PARAM_ORDERS[0]),
+                ("trackstar_mixing", None),
+            )
+            if getattr(self, name) != unset
+        ]
+        if given and self.method != TRACKSTAR_METHOD:
+            raise ValueError(
+                f"{', '.join(given)} set TrackStar's options; pass --method trackstar or drop them"
+            )
+        if self.optimizer_param_order not in OPTIMIZER_PARAM_ORDERS:
+            raise ValueError(
+                f"--optimizer_param_order must be one of {list(OPTIMIZER_PARAM_ORDERS)}, "
+                f"got {self.optimizer_param_order!r}"
+            )
+        mixing = self.trackstar_mixing
+        if mixing is not None and not 0.0 <= mixing <= 1.0:
+            raise ValueError(f"--trackstar_mixing must lie in [0, 1], got {mixing}")
 
     def _stride_values(self) -> dict[str, Any]:
         """``{StrideConfig field: the value of its --stride_ flag}`` (``None``: not given)."""

@@ -155,6 +155,9 @@ def test_trackstar_refusals(ws, tmp_path, capsys):
     without = argv[: argv.index("--optimizer_state")] + argv[argv.index("--optimizer_state") + 2 :]
     err = fails(without, capsys)
     assert "trained model's optimizer state: pass --optimizer_state PATH" in err
+    missing = list(argv)
+    missing[missing.index("--optimizer_state") + 1] = str(tmp_path / "no_optimizer.pt")
+    assert "no_optimizer.pt: no such file" in fails(missing, capsys)
     logra = [*argv[:-1], "logra"]
     assert "pass --proj_style dense or mask" in fails(logra, capsys)
     err = fails([*argv, "--trackstar_mixing", "1.5"], capsys, 2)

@@ -59,7 +59,7 @@ from dattri_llm.cli.method_arguments import (
 )
 from dattri_llm.cli.methods import build_attributor, check_live_options, check_not_stride
 from dattri_llm.cli.model import causal_lm_loss, disable_dropout
-from dattri_llm.cli.plan import preflight, store_preflight
+from dattri_llm.cli.plan import check_metagradient_disk, preflight, store_preflight
 from dattri_llm.cli.stores import capture_stores
 from dattri_llm.task import AttributionTask
 
@@ -210,6 +210,8 @@ def _live_score(
         args, method_args, task=task, train_samples=sets["train"].samples
     )
     if method_args.method == METAGRADIENT_METHOD:
+        num_train = len(sets["train"].samples)
+        check_metagradient_disk(model, num_train, args, final or staging, force=force)
         return _metagradient_score(staging, attributor, sets, capture_args, options, quiet)
     return attributor.attribute(
         sets["train"].samples,

@@ -181,13 +181,15 @@ live `attribute`: it trains `--model` one epoch over the training set with the
 optimizer options (as `capture --train`: `--learning_rate`, `--weight_decay`,
 `--lr_scheduler_type`, `--max_grad_norm`, batch and accumulation sizes,
 `--seed`; AdamW only), recording every step's parameters and batch in a
-temporary directory inside the output (deleted after), then differentiates
-each query's loss at the trained weights through every update
-(`loss_reduction="sum"`), in every trained parameter (the layer selection
-only sets what the recording hooks capture). The model's dropout is set to 0 first, with a
-warning naming the rates that were not (the replay is exact only for a
-deterministic run). Its polarity is -1: the most negative score is the most
-helpful, and `top-k` / `report --scores` rank so.
+temporary directory inside the output (deleted after scoring), then
+differentiates each query's loss at the trained weights through every update
+(`loss_reduction="sum"`), in every trained parameter (the layer selection only
+sets what the recording hooks capture). Per update the recorded run keeps the
+parameters and the replay's Adam moments: the run is refused when they would
+not fit the free disk (unless `--force`). The model's dropout is set to 0
+first, with a warning naming the rates that were not (the replay is exact only
+for a deterministic run). Its polarity is -1: the most negative score is the
+most helpful, and `top-k` / `report --scores` rank so.
 
 `stride` (`StrideAttributor`, STRIDE) needs no per-sample gradients: it fits
 one small steering operator per random training subset against the frozen

@@ -23,7 +23,7 @@ from dattri_llm.attribution.algorithm.metagradient import MetagradientAttributor
 from dattri_llm.attribution.algorithm.trackstar import TrackStarAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.score import AttributionScore
-from dattri_llm.cli import main
+from dattri_llm.cli import main, plan
 from dattri_llm.cli.arguments import DataArguments, ModelArguments
 from dattri_llm.cli.data import load_records, tokenize
 from dattri_llm.cli.model import causal_lm_loss, load_model, sample_losses
@@ -253,8 +253,12 @@ def test_metagradient_sets_dropout_to_zero(ws, metagradient, tmp_path, capsys):
     )  # fmt: skip
 
 
-def test_metagradient_refusals(ws, tmp_path, capsys):
+def test_metagradient_refusals(ws, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        patch.setattr(plan, "free_disk_bytes", lambda path: 1000)
+        err = fails(metagradient_argv(ws, "gpt2", out), capsys)
+    assert "the metagradient's recorded run (2 updates x" in err and "is free on" in err
     err = fails([*metagradient_argv(ws, "gpt2", out), "--optim", "sgd"], capsys)
     assert "replays torch.optim.AdamW" in err
     store = ["attribute", "--store", str(tmp_path), "--method", "metagradient", "--quiet",

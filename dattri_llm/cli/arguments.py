@@ -1,8 +1,10 @@
 """The command line's own dataclasses, and the command → dataclasses table.
 
 Every option of every command is a field of one of these dataclasses or of
-`AttributionArguments`; ``transformers.HfArgumentParser`` turns them into flags
-and :mod:`dattri_llm.cli.parsing` merges them with a ``--config`` file.
+`AttributionArguments` (``--method`` and the methods' own flags are
+`MethodArguments`, in :mod:`dattri_llm.cli.method_arguments`);
+``transformers.HfArgumentParser`` turns them into flags and
+:mod:`dattri_llm.cli.parsing` merges them with a ``--config`` file.
 `CaptureArguments` mirrors the selectors of `HookManagerConfig` (which is not a
 dataclass) and converts to one with :meth:`CaptureArguments.hook_config`.
 """
@@ -10,30 +12,19 @@ dataclass) and converts to one with :meth:`CaptureArguments.hook_config`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from dattri_llm.attribution.algorithm.stride import StrideConfig
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.index import INDEX_KINDS
+from dattri_llm.cli.method_arguments import MethodArguments
 from dattri_llm.gradient.hooks.config import REGISTER_ALL, HookManagerConfig
 
 __all__ = [
     "COMMANDS",
-    "FIT_METHODS",
-    "INFLUENCE_SOLVERS",
-    "LESS_METHOD",
-    "LIVE_METHODS",
-    "LIVE_ONLY_METHODS",
-    "METHODS",
-    "STRIDE_METHOD",
-    "STRIDE_OPTIONS",
-    "TRAJECTORY_METHODS",
     "AttributeStoreArguments",
     "CaptureArguments",
     "DataArguments",
     "LiveDataArguments",
     "LiveModelArguments",
-    "MethodArguments",
     "ModelArguments",
     "PlanArguments",
     "PlanDataArguments",
@@ -47,23 +38,7 @@ __all__ = [
     "ValidateArguments",
 ]
 
-TRAJECTORY_METHODS = ("trajectory_tracin", "dvemb", "adamw_influence")  # need `capture --train`
-LESS_METHOD = "less"  # needs `capture --train --less` (Adam-preconditioned train gradients)
-STRIDE_METHOD = "stride"  # no per-sample gradients: live `attribute` only, no store
-LIVE_ONLY_METHODS = ("trak", "datainf", "influence")  # live `attribute` only, as STRIDE
-INFLUENCE_SOLVERS = ("cg", "lissa", "direct")  # influence: how (H + damping I)^-1 is applied
-METHODS = (
-    "graddot", "tracin", "gradcos", "kfac", "ekfac", "lorif", *TRAJECTORY_METHODS, LESS_METHOD,
-    STRIDE_METHOD, *LIVE_ONLY_METHODS,
-)  # fmt: skip
-FIT_METHODS = ("kfac", "ekfac", "lorif")  # the methods whose fit `dattri-llm fit` persists
-LIVE_METHODS = ("graddot", "tracin", "gradcos", "kfac", "ekfac", STRIDE_METHOD,
-                *LIVE_ONLY_METHODS)  # fmt: skip
 VALIDATE_METRICS = ("lds", "loo", "both")  # what `dattri-llm validate --metric` measures
-# The StrideConfig fields the command line sets, each as the flag --stride_<field>.
-STRIDE_OPTIONS = (
-    "rank", "num_subsets", "subsets_per_example", "injection", "layer", "steps", "lasso_lambda",
-)  # fmt: skip
 
 
 @dataclass
@@ -317,8 +292,9 @@ class AttributeStoreArguments(StoreArguments):
         default=None,
         metadata={
             "help": "Output directory of a dattri-llm capture run. Without it: live attribute "
-            "from --model, --train_data and --query_data (graddot, gradcos, kfac, ekfac, "
-            "stride; no store written). stride reads no store and runs live only."
+            "from --model, --train_data and --query_data (graddot, gradcos, kfac, ekfac; no "
+            "store written). stride, trak, datainf, influence, trackstar and metagradient read "
+            "no store and run live only."
         },
     )
 
@@ -344,135 +320,6 @@ class RankSourceArguments(StoreArguments):
             "apply (tokens unshaded). Give --store or --scores."
         },
     )
-
-
-@dataclass
-class MethodArguments:
-    """The attribution method and its options."""
-
-    method: str = field(
-        default="graddot",
-        metadata={
-            "help": "One of: "
-            + ", ".join(METHODS)
-            + ". trajectory_tracin, dvemb and adamw_influence score the run of a "
-            "`capture --train` (adamw_influence: a more negative score is more helpful); "
-            "less (LESS) the run of a `capture --train --less`. stride (STRIDE) needs no "
-            "gradients and runs only as a live attribute (--model, --train_data, --query_data), "
-            "as do trak (TRAK), datainf (DataInf) and influence (exact-Hessian influence "
-            "functions, small nn.Linear layers only)."
-        },
-    )
-    damping: float | None = field(
-        default=None,
-        metadata={
-            "help": "kfac / ekfac / lorif / trak / datainf / influence damping (default: 1e-3 "
-            "for kfac, ekfac and influence; 0.1 x each layer's mean eigenvalue for lorif, "
-            "trak and datainf)."
-        },
-    )
-    influence_solver: str = field(
-        default="cg", metadata={"help": "influence: cg | lissa | direct, how H^-1 is applied."}
-    )
-    influence_max_params: int = field(
-        default=20_000, metadata={"help": "influence: the most hooked parameters accepted."}
-    )
-    relative_damping: bool = field(
-        default=False,
-        metadata={"help": "kfac / ekfac: damping relative to each layer's mean eigenvalue."},
-    )
-    ekfac_mode: str = field(default="exact", metadata={"help": "ekfac: exact | approx."})
-    lorif_rank: int | None = field(
-        default=1, metadata={"help": "lorif: rank c of the stored training gradients."}
-    )
-    lorif_svd_rank: int | None = field(
-        default=None, metadata={"help": "lorif: singular directions kept per layer (all)."}
-    )
-    fit: str | None = field(
-        default=None,
-        metadata={
-            "help": "kfac / ekfac / lorif: the output directory of `dattri-llm fit` whose fit "
-            "is reused (no pass over the training store for the curvature)."
-        },
-    )
-    stride_rank: int | None = field(
-        default=None, metadata={"help": "stride: width r of the operators' shared basis (16)."}
-    )
-    stride_num_subsets: int | None = field(
-        default=None,
-        metadata={
-            "help": "stride: random training subsets K, one operator each (default: from the "
-            "training set's size, ceil(2 s ln(N / s)) with s = 10)."
-        },
-    )
-    stride_subsets_per_example: int | None = field(
-        default=None, metadata={"help": "stride: subsets d each training sample joins (10)."}
-    )
-    stride_injection: str | None = field(
-        default=None,
-        metadata={"help": "stride: logits | residual, where the operators act (logits)."},
-    )
-    stride_layer: str | None = field(
-        default=None,
-        metadata={
-            "help": "stride: name of the module whose output the operators read (default: "
-            "the decoder block at about 0.63 depth)."
-        },
-    )
-    stride_steps: int | None = field(
-        default=None, metadata={"help": "stride: optimizer steps of the operators' fit (1000)."}
-    )
-    stride_lasso_lambda: float | None = field(
-        default=None,
-        metadata={
-            "help": "stride: Lasso penalty relative to each query's largest useful one, in "
-            "[0, 1) (0.01); higher gives sparser scores."
-        },
-    )
-
-    def __post_init__(self) -> None:
-        """``ValueError`` for an unknown method, or STRIDE options that are bad or misplaced."""
-        name = self.method.lower()
-        self.method = name.replace("-", "_") if name.replace("-", "_") in METHODS else name
-        self.method = self.method.replace("-", "")
-        if self.method not in METHODS:
-            raise ValueError(f"unknown --method {self.method!r}; choose one of {list(METHODS)}")
-        values = self._stride_values()
-        given = [f"--stride_{name}" for name, value in values.items() if value is not None]
-        if given and self.method != STRIDE_METHOD:
-            raise ValueError(
-                f"{', '.join(given)} set STRIDE's options; pass --method stride or drop them"
-            )
-        if self.method == STRIDE_METHOD:
-            self.stride_config()
-        if self.influence_solver not in INFLUENCE_SOLVERS:
-            raise ValueError(
-                f"--influence_solver must be one of {list(INFLUENCE_SOLVERS)}, "
-                f"got {self.influence_solver!r}"
-            )
-        if self.influence_max_params < 1:
-            raise ValueError(
-                f"--influence_max_params must be >= 1, got {self.influence_max_params}"
-            )
-
-    def _stride_values(self) -> dict[str, Any]:
-        """``{StrideConfig field: the value of its --stride_ flag}`` (``None``: not given)."""
-        return {name: getattr(self, f"stride_{name}") for name in STRIDE_OPTIONS}
-
-    def stride_config(self) -> StrideConfig:
-        """The `StrideConfig` of the ``--stride_*`` flags (the library defaults elsewhere).
-
-        Raises:
-            ValueError: a value ``StrideConfig`` refuses, naming its flag.
-        """
-        try:
-            return StrideConfig().replace(**self._stride_values())
-        except (TypeError, ValueError) as err:
-            message = str(err)
-            flagged = message.split(" ", 1)[0] in STRIDE_OPTIONS
-            raise ValueError(
-                f"--stride_{message}" if flagged else f"bad --stride_* option: {message}"
-            ) from err
 
 
 @dataclass

@@ -14,7 +14,12 @@ store written; the same score as ``capture`` + ``attribute --store``. TRAK,
 DataInf and the exact-Hessian influence functions run live only (TRAK's
 ``1 − p`` weights come from the training forward; DataInf and the influence
 functions collect the gradients in memory first, the influence Hessian being
-that of the mean training loss over the training samples).
+that of the mean training loss over the training samples). TrackStar runs
+live only with the trained model's optimizer state (``--optimizer_state``).
+The metagradient runs live only: it trains the loaded model one epoch with
+the optimizer options (dropout set to 0, so that the run replays exactly),
+records the run in a temporary directory inside the staged output, and
+differentiates each query's loss at the trained weights through every update.
 
 STRIDE (``--method stride``) runs live only: it captures no gradients, so it
 reads no store, makes no run plan and takes no layer selection; its
@@ -26,27 +31,35 @@ same sample identifiers.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from dattri_llm.attribution.algorithm.metagradient import MetagradientAttributor
 from dattri_llm.attribution.algorithm.stride import StrideAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.cli.arguments import (
-    LIVE_METHODS,
-    STRIDE_METHOD,
     AttributeStoreArguments,
     CaptureArguments,
     LiveDataArguments,
     LiveModelArguments,
-    MethodArguments,
 )
 from dattri_llm.cli.capture import input_plan, load_inputs
 from dattri_llm.cli.data import TokenizedSet
 from dattri_llm.cli.errors import CLIError
-from dattri_llm.cli.methods import build_attributor, check_not_stride
-from dattri_llm.cli.model import causal_lm_loss
-from dattri_llm.cli.plan import preflight, store_preflight
+from dattri_llm.cli.method_arguments import (
+    LIVE_METHODS,
+    METAGRADIENT_METHOD,
+    STRIDE_METHOD,
+    MethodArguments,
+)
+from dattri_llm.cli.methods import build_attributor, check_live_options, check_not_stride
+from dattri_llm.cli.model import causal_lm_loss, disable_dropout
+from dattri_llm.cli.plan import check_metagradient_disk, preflight, store_preflight
 from dattri_llm.cli.stores import capture_stores
 from dattri_llm.task import AttributionTask
 
@@ -171,11 +184,14 @@ def _live_score(
     """The method's live ``attribute(train, test)`` over the model and data (no store)."""
     if method_args.method == STRIDE_METHOD:
         check_stride_options(capture_args, method_args)
+    check_live_options(method_args, capture_args)
     model, _tokenizer, _layers, sets = load_inputs(model_args, data_args, capture_args, quiet=quiet)
     if method_args.method == "influence" and hasattr(model, "set_attn_implementation"):
         # The Hessian-vector products use forward-mode AD, which fused attention kernels
         # (scaled_dot_product_attention) do not implement: the plain attention computes the same.
         model.set_attn_implementation("eager")
+    if method_args.method == METAGRADIENT_METHOD:
+        _deterministic(model)
     task = AttributionTask(loss_func=causal_lm_loss, model=model)
     if method_args.method == STRIDE_METHOD:
         return _stride_score(args, task, sets, method_args, quiet)
@@ -193,6 +209,10 @@ def _live_score(
     attributor, options = build_attributor(
         args, method_args, task=task, train_samples=sets["train"].samples
     )
+    if method_args.method == METAGRADIENT_METHOD:
+        num_train = len(sets["train"].samples)
+        check_metagradient_disk(model, num_train, args, final or staging, force=force)
+        return _metagradient_score(staging, attributor, sets, capture_args, options, quiet)
     return attributor.attribute(
         sets["train"].samples,
         sets["query"].samples,
@@ -200,6 +220,51 @@ def _live_score(
         verbose=not quiet,
         **options,
     )
+
+
+def _deterministic(model: torch.nn.Module) -> None:
+    """Set the model's dropout to 0, warning with the rates that were not.
+
+    The metagradient is the derivative of the replayed run, which equals the
+    recorded one only when the forward is deterministic; the training and the
+    replay run the model in ``train()`` mode, where dropout would draw fresh
+    masks each time.
+    """
+    dropped = disable_dropout(model)
+    if dropped:
+        warnings.warn(
+            "metagradient: the model's dropout is set to 0 for the recorded run and its replay "
+            f"(an exact metagradient needs a deterministic run): {', '.join(dropped)}",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def _metagradient_score(
+    staging: Path,
+    attributor: MetagradientAttributor,
+    sets: dict[str, TokenizedSet],
+    capture_args: CaptureArguments,
+    options: dict[str, Any],
+    quiet: bool,
+) -> AttributionScore:
+    """Train one epoch from the loaded model recording the run, then its exact metagradients.
+
+    The recorded run
+    (parameter snapshots of every step) and the replay's per-update moments
+    live in a temporary directory inside ``staging``, deleted after scoring;
+    the output directory holds the score only.
+    """
+    with tempfile.TemporaryDirectory(prefix=".metagradient-run-", dir=staging) as run_dir:
+        return attributor.attribute(
+            sets["train"].samples,
+            sets["query"].samples,
+            hook_config=capture_args.hook_config(),
+            verbose=not quiet,
+            cache_dir=run_dir,
+            scratch_dir=run_dir,
+            **options,
+        )
 
 
 def _stride_score(

@@ -105,7 +105,8 @@ What each command writes:
   the method keeps, the plan, `config.yaml`. Without `--store`, from `--model`,
   `--train_data` and `--query_data` (with the data and layer options of
   `capture`), it scores live (the method's `attribute(train, test)`; `graddot`,
-  `gradcos`, `kfac`, `ekfac`, `stride`, `trak`, `datainf`, `influence`) and
+  `gradcos`, `kfac`, `ekfac`, `stride`, `trak`, `datainf`, `influence`,
+  `trackstar`, `metagradient`) and
   writes no store: the same score as `capture` then `attribute --store`. Both
   `--store` and the live options, or neither, is refused.
 * `top-k`: `top_k.json` and `top_k.txt` (each query's k best training samples,
@@ -164,6 +165,31 @@ live `attribute`; `--damping` sets their `λ`. DataInf and `influence` collect
 the gradients in memory first; `influence` runs the model with plain (eager)
 attention, as forward-mode differentiation needs. The commands that read a
 capture's stores refuse them.
+
+`trackstar` (`TrackStarAttributor`, TrackStar: gradients divided by the
+trained model's optimizer second moment, projected, whitened by
+`(R + λI)^{-1/2}` and compared by cosine) runs only as a live `attribute` of
+the trained model with its optimizer state: `--optimizer_state` (a saved
+`optimizer.state_dict()`, e.g. a `Trainer` checkpoint's `optimizer.pt`;
+refused without it), `--optimizer_param_order` (how the state's parameter
+indices map to the model's parameters), `--trackstar_mixing`, `--damping`,
+and the projection of `--proj_dim` with `--proj_style dense` or `mask`. The
+CLI's loss sums the samples' losses (`loss_reduction="sum"`).
+
+`metagradient` (`MetagradientAttributor`, exact metagradients) runs only as a
+live `attribute`: it trains `--model` one epoch over the training set with the
+optimizer options (as `capture --train`: `--learning_rate`, `--weight_decay`,
+`--lr_scheduler_type`, `--max_grad_norm`, batch and accumulation sizes,
+`--seed`; AdamW only), recording every step's parameters and batch in a
+temporary directory inside the output (deleted after scoring), then
+differentiates each query's loss at the trained weights through every update
+(`loss_reduction="sum"`), in every trained parameter (the layer selection only
+sets what the recording hooks capture). Per update the recorded run keeps the
+parameters and the replay's Adam moments: the run is refused when they would
+not fit the free disk (unless `--force`). The model's dropout is set to 0
+first, with a warning naming the rates that were not (the replay is exact only
+for a deterministic run). Its polarity is -1: the most negative score is the
+most helpful, and `top-k` / `report --scores` rank so.
 
 `stride` (`StrideAttributor`, STRIDE) needs no per-sample gradients: it fits
 one small steering operator per random training subset against the frozen

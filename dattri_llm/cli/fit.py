@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from dattri_llm.attribution.arguments import AttributionArguments
-from dattri_llm.cli.arguments import MethodArguments, StoreArguments
+from dattri_llm.cli.arguments import StoreArguments
 from dattri_llm.cli.errors import CLIError
+from dattri_llm.cli.method_arguments import MethodArguments
 from dattri_llm.cli.methods import build_attributor, check_fit_method, check_not_stride, fit_file
 from dattri_llm.cli.plan import store_preflight
 from dattri_llm.cli.stores import capture_stores

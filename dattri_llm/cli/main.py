@@ -120,7 +120,10 @@ def _run(command: str, argv: list[str]) -> None:
 def _absolute_paths(parsed: tuple[Any, ...]) -> None:
     """Local paths of the run made absolute, so its config replays from any directory."""
     for instance in parsed:
-        for name in ("train_data", "query_data", "store", "scores", "model", "tokenizer", "fit"):
+        for name in (
+            "train_data", "query_data", "store", "scores", "model", "tokenizer", "fit",
+            "optimizer_state",
+        ):  # fmt: skip
             value = getattr(instance, name, None)
             if isinstance(value, str) and Path(value).expanduser().exists():
                 setattr(instance, name, str(Path(value).expanduser().absolute()))

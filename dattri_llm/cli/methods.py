@@ -19,22 +19,28 @@ from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttr
 from dattri_llm.attribution.algorithm.kronecker.persistence import FISHER_FILE
 from dattri_llm.attribution.algorithm.less import LESSAttributor
 from dattri_llm.attribution.algorithm.lorif import FIT_FILE, LoRIFAttributor
+from dattri_llm.attribution.algorithm.metagradient import MetagradientAttributor
 from dattri_llm.attribution.algorithm.tracin import TracInAttributor
+from dattri_llm.attribution.algorithm.trackstar import TrackStarAttributor
 from dattri_llm.attribution.algorithm.trajectory_tracin import TrajectoryTracInAttributor
 from dattri_llm.attribution.algorithm.trak import TRAKAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.topk import TopK
-from dattri_llm.cli.arguments import (
+from dattri_llm.cli.arguments import CaptureArguments
+from dattri_llm.cli.errors import CLIError
+from dattri_llm.cli.method_arguments import (
     FIT_METHODS,
     LESS_METHOD,
     LIVE_ONLY_METHODS,
+    METAGRADIENT_METHOD,
     STRIDE_METHOD,
+    TRACKSTAR_METHOD,
     TRAJECTORY_METHODS,
     MethodArguments,
 )
-from dattri_llm.cli.errors import CLIError
+from dattri_llm.cli.model import sample_losses
 from dattri_llm.cli.output import CONFIG_FILE, STORE_DIRS
 from dattri_llm.cli.stores import capture_config
 from dattri_llm.task import AttributionTask
@@ -43,6 +49,7 @@ __all__ = [
     "TRAJECTORY_KEYWORDS",
     "build_attributor",
     "check_fit_method",
+    "check_live_options",
     "check_not_stride",
     "check_store_method",
     "fit_file",
@@ -50,6 +57,7 @@ __all__ = [
     "rank_top_k",
     "reused_fit",
     "score_top_k",
+    "trackstar_attributor",
 ]
 
 # The keywords of a trajectory method's *_from_cache calls on a `capture --train` run: the
@@ -98,14 +106,17 @@ def check_not_stride(method: str, command: str) -> None:
     STRIDE keeps no per-sample gradients: only a live ``attribute`` runs it.
     TRAK (its ``1 − p`` weights come from the live training forward), DataInf
     and the exact-Hessian influence functions (several passes, or the model,
-    over the training gradients) are served live only too.
+    over the training gradients) are served live only too, as are TrackStar
+    (a capture's stores hold raw gradients, not its optimizer-normalised ones)
+    and the metagradient (it trains the model itself, recording snapshots).
     """
     if method == STRIDE_METHOD:
         raise CLIError(_STRIDE_REFUSALS[command])
     if method in LIVE_ONLY_METHODS:
+        needs = " --optimizer_state PATH" if method == TRACKSTAR_METHOD else ""
         raise CLIError(
             f"{method} runs only as a live attribute: `dattri-llm attribute --method {method} "
-            "--model M --train_data T --query_data Q`"
+            f"--model M --train_data T --query_data Q{needs}`"
             + ("" if command == "attribute" else f"; {command} --store does not serve it")
         )
 
@@ -238,22 +249,56 @@ def build_attributor(
     return attributor, extra
 
 
+def check_live_options(method: MethodArguments, capture_args: CaptureArguments) -> None:
+    """``CLIError`` for a live run its method cannot make, before the model is loaded.
+
+    TrackStar needs ``--optimizer_state`` (an existing file) and projects after
+    the optimizer normalisation, which the ``dense`` and ``mask`` projections
+    allow (``logra`` projects the layer's factors before any normalisation).
+    """
+    if method.method != TRACKSTAR_METHOD:
+        return
+    if method.optimizer_state is None:
+        raise CLIError(
+            "trackstar normalises by the trained model's optimizer state: pass --optimizer_state "
+            "PATH (torch.save(optimizer.state_dict()), e.g. a Trainer checkpoint's optimizer.pt)"
+        )
+    if not Path(method.optimizer_state).expanduser().is_file():
+        raise CLIError(f"--optimizer_state {method.optimizer_state}: no such file")
+    if capture_args.proj_dim is not None and capture_args.proj_style not in ("dense", "mask"):
+        raise CLIError(
+            f"trackstar projects the optimizer-normalised gradient, which --proj_style "
+            f"{capture_args.proj_style} cannot; pass --proj_style dense or mask"
+        )
+
+
 def live_only_attributor(
     args: AttributionArguments,
     method: MethodArguments,
     task: AttributionTask | None,
     train_samples: list[dict[str, torch.Tensor]] | None = None,
 ) -> tuple[BaseInnerProductAttributor, dict[str, Any]]:
-    """``(attributor, keywords of its live attribute)`` of trak, datainf or influence.
+    """``(attributor, keywords of its live attribute)`` of a live-only method.
 
     DataInf and the influence functions score from gradients collected in
     memory first (``gradient_cache_residency="memory"``): DataInf passes over
     the training gradients several times, and the influence functions' Hessian
     products run the model free of capture hooks. The influence Hessian is that
     of the mean training loss over ``train_samples`` (one sample per batch).
+    The task loss is summed over a batch (:func:`~dattri_llm.cli.model.causal_lm_loss`):
+    TrackStar and the metagradient are told so (``loss_reduction="sum"``); the
+    metagradient's per-sample losses are :func:`~dattri_llm.cli.model.sample_losses`
+    (one forward per batch).
     """
     if method.method == "trak":
         return TRAKAttributor(args, task=task, damping=method.damping), {}
+    if method.method == TRACKSTAR_METHOD:
+        return trackstar_attributor(args, method, task), {}
+    if method.method == METAGRADIENT_METHOD:
+        attributor = MetagradientAttributor(
+            args, task=task, sample_loss_func=sample_losses, sample_target_func=sample_losses
+        )
+        return attributor, {"loss_reduction": "sum"}
     memory = {"gradient_cache_residency": "memory"}
     if method.method == "datainf":
         return DataInfAttributor(args, task=task, damping=method.damping), memory
@@ -270,6 +315,43 @@ def live_only_attributor(
         max_params=method.influence_max_params,
     )
     return attributor, memory
+
+
+def trackstar_attributor(
+    args: AttributionArguments, method: MethodArguments, task: AttributionTask | None
+) -> TrackStarAttributor:
+    """TrackStar over ``task``'s model with the state of ``--optimizer_state``.
+
+    ``--optimizer_param_order model`` names the saved indices by the model's
+    ``named_parameters()``; ``trainer`` leaves them to the library (the names
+    saved with the state, else Hugging Face ``Trainer``'s order). The state is
+    rebuilt over the model here; ``CLIError`` when it does not fit.
+    """
+    if task is None:
+        raise CLIError("trackstar runs live only: give --model, --train_data and --query_data")
+    names = None
+    if method.optimizer_param_order == "model":
+        names = [name for name, _ in task.model.named_parameters()]
+    mixing = {} if method.trackstar_mixing is None else {"mixing": method.trackstar_mixing}
+    attributor = TrackStarAttributor(
+        args,
+        task=task,
+        optimizer=method.optimizer_state,
+        damping=method.damping,
+        loss_reduction="sum",
+        optimizer_param_names=names,
+        **mixing,
+    )
+    try:  # read the state now: a mismatch is reported before any pass over the data
+        attributor.resolved_optimizer()
+    except (KeyError, ValueError) as err:
+        other = "trainer" if method.optimizer_param_order == "model" else "model"
+        raise CLIError(
+            f"--optimizer_state {method.optimizer_state} does not fit --model's parameters in "
+            f"{method.optimizer_param_order} order ({str(err).strip()}); check that it is the "
+            f"state of this model's optimizer, or try --optimizer_param_order {other}"
+        ) from err
+    return attributor
 
 
 def rank_top_k(

@@ -18,7 +18,24 @@ from dattri_llm.cli.arguments import ModelArguments
 from dattri_llm.cli.data import model_inputs
 from dattri_llm.cli.errors import CLIError
 
-__all__ = ["causal_lm_loss", "load_config", "load_model", "load_tokenizer", "sample_losses"]
+__all__ = [
+    "causal_lm_loss",
+    "disable_dropout",
+    "load_config",
+    "load_model",
+    "load_tokenizer",
+    "sample_losses",
+]
+
+# The dropout modules of torch.nn (their rate is the attribute ``p``).
+_DROPOUTS = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
 
 
 def _first_line(err: BaseException) -> str:
@@ -82,3 +99,23 @@ def sample_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tor
     )
     counted = (targets != -100).sum(1).clamp(min=1)
     return token_loss.sum(1) / counted
+
+
+def disable_dropout(model: torch.nn.Module) -> list[str]:
+    """Set every dropout of ``model`` to 0; return what was nonzero (``"name: p"``).
+
+    Dropout modules (``nn.Dropout`` and its kin) get ``p = 0``; float attributes
+    named ``*dropout*`` (the rate an attention module passes to its kernel, as
+    Llama's ``attention_dropout``) are set to 0.0. The model then computes the
+    same in ``train()`` and ``eval()`` mode.
+    """
+    changed = []
+    for name, module in model.named_modules():
+        if isinstance(module, _DROPOUTS) and module.p > 0:
+            changed.append(f"{name or 'model'}: {module.p:g}")
+            module.p = 0.0
+        for attr, value in vars(module).items():
+            if "dropout" in attr and isinstance(value, float) and value > 0:
+                changed.append(f"{name}.{attr}: {value:g}" if name else f"{attr}: {value:g}")
+                setattr(module, attr, 0.0)
+    return changed

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,13 @@ from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.planning import RunPlan, format_bytes, measure_capture_seconds, plan_run
 from dattri_llm.cli.arguments import (
     CaptureArguments,
-    MethodArguments,
     ModelArguments,
     PlanArguments,
     PlanDataArguments,
 )
 from dattri_llm.cli.data import TokenizedSet, load_records, tokenize
 from dattri_llm.cli.errors import CLIError
+from dattri_llm.cli.method_arguments import MethodArguments
 from dattri_llm.cli.methods import check_not_stride
 from dattri_llm.cli.model import causal_lm_loss, load_config, load_model, load_tokenizer
 from dattri_llm.cli.stores import capture_arguments, captured_sets
@@ -41,6 +42,7 @@ __all__ = [
     "PLAN_FILES",
     "WEIGHT_SUFFIXES",
     "build_plan",
+    "check_metagradient_disk",
     "free_disk_bytes",
     "has_weights",
     "plan_method",
@@ -168,6 +170,37 @@ def _needs(command: str, method: str, plan: RunPlan, reuses_fit: bool) -> tuple[
     scoring = plan.scoring_bytes + (0 if reuses_fit else fit)
     what = "scoring" if reuses_fit or not fit else f"the {method} fit and scoring"
     return (plan.score_bytes, "the score matrix"), (scoring, what)
+
+
+def check_metagradient_disk(
+    model: torch.nn.Module,
+    num_train: int,
+    args: AttributionArguments,
+    output_dir: Path,
+    *,
+    force: bool,
+) -> int:
+    """The disk bytes of the metagradient's recorded run; ``CLIError`` when they are not free.
+
+    Per update the run keeps the trainable parameters (in their dtype) and the
+    replay's Adam moments (two float32 values per parameter), all in the output
+    directory's file system until scoring ends. Not checked with ``force``.
+    """
+    per_update = sum(
+        p.numel() * (p.element_size() + 8) for p in model.parameters() if p.requires_grad
+    )
+    batches = math.ceil(num_train / args.per_device_train_batch_size)
+    updates = math.ceil(batches / args.gradient_accumulation_steps)
+    need = updates * per_update
+    free = free_disk_bytes(output_dir)
+    if need > free and not force:
+        raise CLIError(
+            f"the metagradient's recorded run ({updates} updates x {format_bytes(per_update)}: "
+            f"each update's parameters and Adam moments) needs {format_bytes(need)} but "
+            f"{format_bytes(free)} is free on {output_dir}; free space, train on fewer samples "
+            "or pass --force"
+        )
+    return need
 
 
 def preflight(

@@ -28,14 +28,9 @@ from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.report import write_token_report
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.topk import TopK
-from dattri_llm.cli.arguments import (
-    LESS_METHOD,
-    TRAJECTORY_METHODS,
-    MethodArguments,
-    RankSourceArguments,
-    ReportArguments,
-)
+from dattri_llm.cli.arguments import RankSourceArguments, ReportArguments
 from dattri_llm.cli.data import TokenizedSet
+from dattri_llm.cli.method_arguments import LESS_METHOD, TRAJECTORY_METHODS, MethodArguments
 from dattri_llm.cli.methods import build_attributor, rank_top_k
 from dattri_llm.cli.model import load_tokenizer
 from dattri_llm.cli.scores import (

@@ -20,8 +20,9 @@ from typing import Any
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.index import AttributionIndex
 from dattri_llm.attribution.topk import TopK
-from dattri_llm.cli.arguments import MethodArguments, RankSourceArguments, TopKArguments
+from dattri_llm.cli.arguments import RankSourceArguments, TopKArguments
 from dattri_llm.cli.errors import CLIError
+from dattri_llm.cli.method_arguments import MethodArguments
 from dattri_llm.cli.methods import build_attributor, rank_top_k
 from dattri_llm.cli.scores import check_rank_source, rank_scores, scored_sets, set_texts
 from dattri_llm.cli.stores import capture_stores, sample_texts

@@ -1,4 +1,4 @@
-"""Fork worker for the distributed curvature-fit tests (LoRIF, TRAK, DataInf; 2 gloo ranks, CPU).
+"""Fork worker for the distributed curvature-fit tests (LoRIF and its kin; 2 gloo ranks, CPU).
 
 Each rank runs ``attribute`` with ``WORLD_SIZE=2`` / ``RANK=r`` (the training
 set sharded by the streamer without padding, the model wrapped in DDP) on
@@ -46,8 +46,11 @@ CASES = {  # case -> (method, constructor options, attribute options)
         {"damping": 0.3},
         {"gradient_cache_residency": "memory"},
     ),
+    "trackstar": ("trackstar", {"mixing": 0.7}, {}),
+    "trackstar_disk": ("trackstar", {"mixing": 0.7}, {"gradient_cache_residency": "disk"}),
 }
-SHARED_STORE_CASES = ("lorif_full_disk",)  # one output_dir (and store) for both ranks
+# one output_dir (and store) for both ranks
+SHARED_STORE_CASES = ("lorif_full_disk", "trackstar_disk")
 
 
 class WideNet(nn.Module):
@@ -87,6 +90,17 @@ def samples(count: int, seed: int) -> list[dict]:
     ]
 
 
+def optimizer_state() -> dict:
+    """TrackStar's optimizer: AdamW's state after 3 steps on `WideNet` (the same everywhere)."""
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    for sample in samples(3, 7):
+        optimizer.zero_grad()
+        squared_error(model, {key: value[None] for key, value in sample.items()}).backward()
+        optimizer.step()
+    return optimizer.state_dict()
+
+
 def train_set() -> list[dict]:
     return samples(N_TRAIN, 41)
 
@@ -99,6 +113,7 @@ def make_attributor(case: str, out_dir: str):
     """A fresh attributor of ``case`` on a fresh model."""
     from dattri_llm.attribution.algorithm.datainf import DataInfAttributor
     from dattri_llm.attribution.algorithm.lorif import LoRIFAttributor
+    from dattri_llm.attribution.algorithm.trackstar import TrackStarAttributor
     from dattri_llm.attribution.algorithm.trak import TRAKAttributor
     from dattri_llm.attribution.arguments import AttributionArguments
     from dattri_llm.task import AttributionTask
@@ -113,6 +128,10 @@ def make_attributor(case: str, out_dir: str):
     task = AttributionTask(squared_error, build_model(), checkpoints=[build_model().state_dict()])
     if method == "trak":
         return TRAKAttributor(args, task=task, output_func=output_and_weights, **options)
+    if method == "trackstar":
+        return TrackStarAttributor(
+            args, task=task, optimizer=optimizer_state(), loss_reduction="sum", **options
+        )
     cls = LoRIFAttributor if method == "lorif" else DataInfAttributor
     return cls(args, task=task, **options)
 

@@ -379,7 +379,7 @@ class BaseInnerProductAttributor(topk.TopKCalls, BaseAttributor):
         return layerwise_cross_dot_per_token(train_rep, test_rep)
 
     def sum_over_shards(
-        self, local: NamedSums, what: str
+        self, local: NamedSums, what: str, *, sharded_source: bool = True
     ) -> dict[str, tuple[list[torch.Tensor], int]]:
         """A fit's per-layer partial sums over the training rows, summed over the ranks' shards.
 
@@ -392,10 +392,12 @@ class BaseInnerProductAttributor(topk.TopKCalls, BaseAttributor):
         ``utils.distributed.all_reduce_named_sums``; ``what`` names the sums in
         its errors). Otherwise (one process; a ``"disk"`` store every rank
         reads whole; :meth:`attribute_from_cache` and ``fit`` calls, which
-        fit exactly the store they are given) ``local`` comes back as it is,
-        sorted by layer, with no collective, so one rank may call it alone.
+        fit exactly the store they are given; ``sharded_source=False``: sums
+        over a source every rank streams whole, e.g. the queries) ``local``
+        comes back as it is, sorted by layer, with no collective, so one rank
+        may call it alone.
         """
-        if not self._rows_sharded:
+        if not (self._rows_sharded and sharded_source):
             return {name: (list(local[name][0]), int(local[name][1])) for name in sorted(local)}
         return all_reduce_named_sums(local, what)
 

@@ -1,4 +1,4 @@
-"""LoRIF, TRAK and DataInf fit their curvature from every rank's training rows.
+"""LoRIF, TRAK, DataInf and TrackStar fit their curvature from every rank's training rows.
 
 Two gloo ranks (CPU, see ``curvature_distributed_helpers``) each stream their
 unpadded shard of 7 training samples (4 and 3) against 3 queries, the model
@@ -10,16 +10,24 @@ call. Cases: LoRIF at full rank (``GᵀG``), LoRIF at ``svd_rank = 2`` (one laye
 by randomized range finding; live and through a ``"memory"`` store per rank),
 LoRIF through a ``"disk"`` store both ranks share and read whole (no double
 counting: the fit must count 7 rows, not 14), TRAK (instance and token),
-DataInf (relative damping live, fixed damping from ``"memory"`` stores). Rank
+DataInf (relative damping live, fixed damping from ``"memory"`` stores),
+TrackStar (``mixing = 0.7``, so ``R`` mixes in the queries, which every rank
+holds whole and must not sum; live and from a shared ``"disk"`` store). Rank
 0 alone then scores the shared store with ``attribute_from_cache`` while rank
-1 waits at a barrier: a store-based fit issues no collective (it would hang).
+1 waits at a barrier: a store-based fit issues no collective (one would time
+out).
 
 Values: rows are matched by (sample, token position), ids and columns
 compared exactly, scores with ``rtol = 1e-5`` relative to the largest score
 (float32 per-sample gradients of batches of another composition, float64 fit
-sums in another order: observed at most 1.2e-6). Before the fix, each rank fitted its
-own shard and the scores differed from the single-process ones by 17 % (DataInf)
-to 86 % (LoRIF, randomized) of the largest score, 280 % for TRAK token rows.
+sums in another order: observed at most 1.2e-6). TrackStar: ``rtol = 5e-5``
+(observed 6.5e-6, the same from the shared store, which sums nothing: whitening
+by ``(R + δI)^{-1/2}`` and the unit norm amplify the float32 capture's
+round-off, not the fit's). Before the fix each rank
+fitted its own shard: the scores differed from the single-process ones by
+17 % (DataInf) to 86 % (LoRIF, randomized) of the largest score, 280 % for
+TRAK's token rows (TrackStar refused ``WORLD_SIZE > 1``; fitting ``R_train``
+from one shard moves its scores by 65 %).
 """
 
 from __future__ import annotations
@@ -70,7 +78,7 @@ def _keyed(result: dict) -> dict:
     return {key: result["scores"][row] for row, key in enumerate(keys)}
 
 
-def _assert_same_score(got: dict, expected: dict, in_order: bool) -> None:
+def _assert_same_score(got: dict, expected: dict, in_order: bool, rtol: float = 1e-5) -> None:
     assert got["test_ids"] == expected["test_ids"]
     if in_order:
         assert got["row_ids"] == expected["row_ids"]
@@ -82,8 +90,8 @@ def _assert_same_score(got: dict, expected: dict, in_order: bool) -> None:
     torch.testing.assert_close(
         torch.stack([mine[k] for k in keys]),
         torch.stack([theirs[k] for k in keys]),
-        rtol=1e-5,
-        atol=1e-5 * scale,
+        rtol=rtol,
+        atol=rtol * scale,
     )
 
 
@@ -91,7 +99,8 @@ def _assert_same_score(got: dict, expected: dict, in_order: bool) -> None:
 def test_every_rank_returns_the_single_process_score(runs, case):
     ranks, single = runs
     for result in ranks:
-        _assert_same_score(result[case], single[case], case not in SHARED_STORE_CASES)
+        rtol = 5e-5 if CASES[case][0] == "trackstar" else 1e-5
+        _assert_same_score(result[case], single[case], case not in SHARED_STORE_CASES, rtol)
         # LoRIF / TRAK: every layer's fit counts every training sample once, on every rank
         assert result[case]["fit_rows"] == single[case]["fit_rows"]
         if CASES[case][0] != "datainf":

@@ -257,14 +257,18 @@ class LoRIFAttributor(BaseInnerProductAttributor):
         """Settings a persisted fit must match (damping is applied at scoring)."""
         return {"rank": self.rank, **self._fit_settings}
 
-    def fit_source(self, train_source: GradientSource) -> dict[str, LoRIFLayerFit]:
+    def fit_source(
+        self, train_source: GradientSource, *, sharded_source: bool = True
+    ) -> dict[str, LoRIFLayerFit]:
         """Streaming truncated SVD ``{layer: LoRIFLayerFit}`` of a train source's rows.
 
         Rows are the train blocks after :meth:`transform_train_rep` (rank ``c``).
         One pass for ``GᵀG`` layers; randomized layers need a reusable source.
         Inside a sharded :meth:`attribute` every rank must call it: the sums
         are summed over the ranks (:meth:`sum_over_shards`), so each rank fits
-        every rank's rows; otherwise it issues no collective.
+        every rank's rows; otherwise, or with ``sharded_source=False`` (a
+        source every rank streams whole, such as the queries), it issues no
+        collective.
         """
         sweeps: dict[str, _LayerSweep] = {}
         self._sweep(train_source, sweeps, first_pass=True)
@@ -273,6 +277,7 @@ class LoRIFAttributor(BaseInnerProductAttributor):
             for name, (sums, rows) in self.sum_over_shards(
                 {name: sweep.first_pass_sums() for name, sweep in sweeps.items()},
                 "LoRIF fit sums",
+                sharded_source=sharded_source,
             ).items()
         }
         if not sweeps:
@@ -280,7 +285,7 @@ class LoRIFAttributor(BaseInnerProductAttributor):
         ranks = {name: _check_rank_fits(name, self.svd_rank, s.width) for name, s in sweeps.items()}
         randomized = {name: sweep for name, sweep in sweeps.items() if sweep.gram is None}
         if randomized:
-            self._range_find(train_source, randomized, ranks)
+            self._range_find(train_source, randomized, ranks, sharded_source)
         return {name: self._finish(name, sweep, ranks[name]) for name, sweep in sweeps.items()}
 
     def _sweep(
@@ -321,6 +326,7 @@ class LoRIFAttributor(BaseInnerProductAttributor):
         train_source: GradientSource,
         sweeps: dict[str, _LayerSweep],
         ranks: Mapping[str, int],
+        sharded_source: bool,
     ) -> None:
         """Randomized range finding for ``sweeps`` (``2 + POWER_ITERATIONS`` passes).
 
@@ -341,17 +347,19 @@ class LoRIFAttributor(BaseInnerProductAttributor):
             omega = torch.randn(sweep.width, sketch, generator=generator, dtype=torch.float64)
             sweep.set_probe(omega.to(sweep.device))  # the same Ω on every rank (seeded)
         for _ in range(POWER_ITERATIONS + 1):
-            self._product_pass(train_source, sweeps)
+            self._product_pass(train_source, sweeps, sharded_source)
             for sweep in sweeps.values():
                 sweep.set_probe(_orthonormal(sweep.product))
-        self._product_pass(train_source, sweeps)
+        self._product_pass(train_source, sweeps, sharded_source)
 
-    def _product_pass(self, train_source: GradientSource, sweeps: dict[str, _LayerSweep]) -> None:
+    def _product_pass(
+        self, train_source: GradientSource, sweeps: dict[str, _LayerSweep], sharded_source: bool
+    ) -> None:
         """One pass accumulating ``GᵀG·Q`` per layer, summed over the ranks' shards."""
         self._sweep(train_source, sweeps, first_pass=False)
         local = {name: ([sweep.product], 0) for name, sweep in sweeps.items()}
         for name, ([product], _) in self.sum_over_shards(
-            local, "LoRIF range-finder products"
+            local, "LoRIF range-finder products", sharded_source=sharded_source
         ).items():
             sweeps[name].product = product
 

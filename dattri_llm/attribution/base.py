@@ -38,6 +38,7 @@ from dattri_llm.attribution.sources import _check_dataset
 from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDynamicsCallback
 from dattri_llm.gradient.ops.dot import layerwise_cross_dot, layerwise_cross_dot_per_token
 from dattri_llm.task import AttributionTask, as_task
+from dattri_llm.utils.distributed import NamedSums, all_reduce_named_sums, dist_world_size
 
 if TYPE_CHECKING:
     from torch import nn
@@ -131,6 +132,7 @@ class BaseInnerProductAttributor(topk.TopKCalls, BaseAttributor):
         self._hooked_layers: list[str] = []
         self._verbose = False
         self._score_sink: scoring.ScoreSink | None = None  # set by top_k for one call
+        self._rows_sharded = False  # this attribute() call streams this rank's shard
 
     # ------------------------------------------------------------------ task delegation
     def require_task(self, method: str) -> AttributionTask:
@@ -376,6 +378,29 @@ class BaseInnerProductAttributor(topk.TopKCalls, BaseAttributor):
             return torch.zeros(train_rep.batch_size, tokens, test_rep.batch_size)
         return layerwise_cross_dot_per_token(train_rep, test_rep)
 
+    def sum_over_shards(
+        self, local: NamedSums, what: str, *, sharded_source: bool = True
+    ) -> dict[str, tuple[list[torch.Tensor], int]]:
+        """A fit's per-layer partial sums over the training rows, summed over the ranks' shards.
+
+        ``local`` maps a layer to ``(tensors, rows)`` summed over the rows this
+        process's training source yielded. Inside :meth:`attribute` under a
+        process group that shards the training set (``WORLD_SIZE`` = the
+        group's size > 1) each rank's source holds its own shard (live, or a
+        ``"memory"`` / ``"tiered"`` store per rank), so the sums are
+        all-reduced on the union of the ranks' layers (every rank takes part:
+        ``utils.distributed.all_reduce_named_sums``; ``what`` names the sums in
+        its errors). Otherwise (one process; a ``"disk"`` store every rank
+        reads whole; :meth:`attribute_from_cache` and ``fit`` calls, which
+        fit exactly the store they are given; ``sharded_source=False``: sums
+        over a source every rank streams whole, e.g. the queries) ``local``
+        comes back as it is, sorted by layer, with no collective, so one rank
+        may call it alone.
+        """
+        if not (self._rows_sharded and sharded_source):
+            return {name: (list(local[name][0]), int(local[name][1])) for name in sorted(local)}
+        return all_reduce_named_sums(local, what)
+
     # ------------------------------------------------------------------ scoring
     def progress(self, iterable: Iterable[Any], *, total: int | None = None) -> Iterable[Any]:
         """Wrap ``iterable`` in a tqdm bar when the current call is verbose on rank 0."""
@@ -526,17 +551,26 @@ class BaseInnerProductAttributor(topk.TopKCalls, BaseAttributor):
             "enable_update": enable_update,
             "attribution_granularity": attribution_granularity,
         }
-        if gradient_cache_residency is None:
-            results, layers = runs.score_live(self, train_dataset, test_dataset, **options)
-        else:
-            results, layers = runs.score_collected(
-                self,
-                train_dataset,
-                test_dataset,
-                gradient_cache_residency,
-                attribution_kwargs,
-                **options,
-            )
+        # a "disk" store is read whole by every rank; live and per-rank stores hold a shard
+        self._rows_sharded = (
+            gradient_cache_residency != "disk"
+            and self.args.world_size > 1
+            and dist_world_size() == self.args.world_size
+        )
+        try:
+            if gradient_cache_residency is None:
+                results, layers = runs.score_live(self, train_dataset, test_dataset, **options)
+            else:
+                results, layers = runs.score_collected(
+                    self,
+                    train_dataset,
+                    test_dataset,
+                    gradient_cache_residency,
+                    attribution_kwargs,
+                    **options,
+                )
+        finally:
+            self._rows_sharded = False
         results = gather.gather_results(
             results,
             num_samples=len(train_dataset),

@@ -14,6 +14,7 @@ from attribution_helpers import (
     write_store,
 )
 
+import dattri_llm.attribution.algorithm.lorif as lorif
 from dattri_llm.attribution.algorithm.lorif import FIT_FILE, LoRIFAttributor
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord
@@ -164,6 +165,21 @@ def test_randomized_range_finder_matches_woodbury_and_fit_persists(tmp_path):
         tr, te
     )
     _scale_close(fresh.scores, expected, 1e-6)
+
+
+@pytest.mark.parametrize(("svd_rank", "gram"), [(2, False), (None, True)])
+def test_only_gram_layers_accumulate_a_d_by_d_gram(tmp_path, monkeypatch, svd_rank, gram):
+    """D = 200 > 8·(2 + 10): svd_rank=2 finds the range (D·(r + 10) memory, no D × D sum)."""
+    tr, _ = _wide_store(tmp_path / "train", 8, 0)
+    held, first_pass_sums = [], lorif._LayerSweep.first_pass_sums
+
+    def spy(sweep):
+        held.append(sweep.gram is not None)
+        return first_pass_sums(sweep)
+
+    monkeypatch.setattr(lorif._LayerSweep, "first_pass_sums", spy)
+    LoRIFAttributor(_args(tmp_path / "a"), rank=None, svd_rank=svd_rank).fit(tr, tmp_path / "f")
+    assert held == [gram]
 
 
 def test_repeated_call_with_its_saved_fit_gives_the_same_bits(tmp_path):

@@ -16,7 +16,9 @@ of this score). The approximation is exact when ``n = 1``.
 
 ``λ`` per layer defaults to ``0.1 × ‖G‖_F² / (n·D)`` (0.1 × the mean squared
 entry of the training rows, i.e. 0.1 × the mean eigenvalue of ``G``: the
-paper's default), or a fixed ``damping``.
+paper's default), or a fixed ``damping``. With the training set sharded over
+ranks (a sharded ``attribute``), the damping sums and each query block's
+correction and ``n`` are summed over the ranks (``sum_over_shards``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.model.container import Gradient
     from dattri_llm.gradient.stream.source import GradientSource
 
-__all__ = ["DataInfAttributor", "datainf_precondition"]
+__all__ = [
+    "DataInfAttributor",
+    "datainf_correction",
+    "datainf_finish",
+    "datainf_precondition",
+]
 
 DEFAULT_RELATIVE_DAMPING = 0.1
 
@@ -52,6 +59,21 @@ def datainf_precondition(
 
     Raises:
         ValueError: no training rows; ``damping <= 0``; a width other than ``D``.
+    """
+    correction, n = datainf_correction(train_rows, query, damping)
+    return datainf_finish(query, correction, n, damping)
+
+
+def datainf_correction(
+    train_rows: Iterable[torch.Tensor], query: torch.Tensor, damping: float
+) -> tuple[torch.Tensor, int]:
+    """``(Σ_i g_i g_iᵀ q / (λ + ‖g_i‖²)`` ``(B_te, D)`` float64, ``n)`` over the blocks' rows.
+
+    The sums :func:`datainf_precondition` needs; sums over disjoint blocks add up
+    (the ranks' shards are summed before :func:`datainf_finish`).
+
+    Raises:
+        ValueError: ``damping <= 0``; a width other than ``D``.
     """
     if not damping > 0:
         raise ValueError(f"datainf_precondition: damping must be > 0, got {damping!r}.")
@@ -68,9 +90,17 @@ def datainf_precondition(
         coeff = (g @ q.T) / (damping + g.square().sum(1, keepdim=True))  # (B, B_te)
         correction += coeff.T @ g
         n += g.shape[0]
+    return correction, n
+
+
+def datainf_finish(
+    query: torch.Tensor, correction: torch.Tensor, n: int, damping: float
+) -> torch.Tensor:
+    """``(n·q − correction) / (n·λ)`` in ``query``'s dtype (``ValueError`` when ``n = 0``)."""
     if n == 0:
         raise ValueError("datainf_precondition: the training source yielded no rows.")
-    return ((n * q - correction) / (n * damping)).to(query.dtype)
+    q = query.to(torch.float64)
+    return ((n * q - correction.to(q)) / (n * damping)).to(query.dtype)
 
 
 def _check_damping(damping: object) -> float | None:
@@ -140,22 +170,26 @@ class DataInfAttributor(BaseInnerProductAttributor):
                 "store (attribute_from_cache, or attribute(gradient_cache_residency='memory'))."
             )
         self._train_source = train_source
-        sums: dict[str, list[float]] = {}  # layer -> [Σ‖g‖², rows, D]
+        local: dict[str, tuple[list[torch.Tensor], int]] = {}  # layer -> ([Σ_i g_i² (D,)], rows)
         for _step, block, _ids in train_source:
             for name in per_sample_layers(block):
-                rows = layer_rows(block, name)
-                entry = sums.setdefault(name, [0.0, 0, rows.shape[1]])
-                entry[0] += float(rows.double().square().sum())
-                entry[1] += rows.shape[0]
+                rows = layer_rows(block, name).double()
+                if name not in local:
+                    local[name] = ([torch.zeros(rows.shape[1], dtype=torch.float64)], 0)
+                (column_sq,), count = local[name]
+                column_sq += rows.square().sum(0).to(column_sq.device)
+                local[name] = ([column_sq], count + rows.shape[0])
             if self.damping is not None:
                 break  # only the layer names are needed
+        sums = self.sum_over_shards(local, "DataInf damping sums")
         if not sums:
             raise ValueError("DataInfAttributor: the training source yielded no per-sample layer.")
         self.layer_damping = {}
-        for name, (total, rows, width) in sums.items():
+        for name, ((column_sq,), rows) in sums.items():
             if self.damping is not None:
                 self.layer_damping[name] = self.damping
                 continue
+            total, width = float(column_sq.sum()), column_sq.shape[0]
             if not total > 0:
                 raise ValueError(
                     f"DataInfAttributor: layer {name!r} has all-zero training gradients; its "
@@ -193,10 +227,15 @@ class DataInfAttributor(BaseInnerProductAttributor):
         if not layers:
             return block
         return block.select_layers(layers).map_layers(
-            lambda name, _value, _type: datainf_precondition(
-                self._train_rows(name), layer_rows(block, name), self.layer_damping[name]
-            )
+            lambda name, _value, _type: self._precondition(name, layer_rows(block, name))
         )
+
+    def _precondition(self, name: str, query: torch.Tensor) -> torch.Tensor:
+        """``H̃⁻¹ q`` of layer ``name``'s ``(B, D)`` query rows: one pass, summed over the shards."""
+        damping = self.layer_damping[name]
+        correction, n = datainf_correction(self._train_rows(name), query, damping)
+        [(correction,), n] = self.sum_over_shards({name: ([correction], n)}, "DataInf sums")[name]
+        return datainf_finish(query, correction, n, damping)
 
     @keywords()
     def attribute_from_cache(

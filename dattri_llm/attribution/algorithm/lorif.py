@@ -16,7 +16,10 @@ The SVD is computed streaming from the training source, never holding ``G``:
 accumulating ``GᵀG`` (one pass, ``D²`` memory) when that is cheaper than
 randomized range finding (``2 + POWER_ITERATIONS`` passes, ``D·(r + OVERSAMPLE)``
 memory), i.e. when ``D <= 2·(2 + POWER_ITERATIONS)·(r + OVERSAMPLE)``, and
-always for ``svd_rank=None`` (full rank).
+always for ``svd_rank=None`` (full rank). When ``attribute`` shards the
+training set over ranks, the sums (rows, ``‖G‖²``, ``GᵀG``, each pass's
+``GᵀG·Q``) are summed over the ranks before they are used (``sum_over_shards``;
+``Ω`` is seeded by ``args.seed``, the same on every rank).
 """
 
 from __future__ import annotations
@@ -125,30 +128,65 @@ def _orthonormal(matrix: torch.Tensor) -> torch.Tensor:
 
 
 class _LayerSweep:
-    """Streaming accumulators of one layer: rows, ``‖G‖_F²``, and ``GᵀG`` or ``GᵀG·Q``."""
+    """Streaming accumulators of one layer: rows, ``‖G‖_F²`` per column, and ``GᵀG`` or ``GᵀG·Q``.
 
-    def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
+    ``GᵀG`` is accumulated (in the first pass) only for a layer fitted from
+    it (``use_gram``); a randomized layer accumulates ``GᵀG·Q`` in the later
+    passes, for the ``probe`` ``Q`` of the pass.
+    """
+
+    def __init__(
+        self, width: int, dtype: torch.dtype, device: torch.device, *, use_gram: bool
+    ) -> None:
         self.width = width
         self.dtype = dtype  # dtype of the stored fit (the gradients')
         self.device = device
         self.rows = 0
-        self.sum_sq = 0.0
-        self.gram: torch.Tensor | None = None
+        self.column_sq = torch.zeros(width, dtype=torch.float64, device=device)  # Σ_i g_i²
+        self.gram = (
+            torch.zeros(width, width, dtype=torch.float64, device=device) if use_gram else None
+        )
         self.probe: torch.Tensor | None = None  # Q (D, l) of the current randomized pass
-        self.product: torch.Tensor | None = None  # Σ Mᵀ(M Q)
+        self.product: torch.Tensor | None = None  # Σ Mᵀ(M Q) (D, l)
+
+    @property
+    def sum_sq(self) -> float:
+        """``‖G‖_F²``."""
+        return float(self.column_sq.sum())
+
+    def set_probe(self, probe: torch.Tensor) -> None:
+        """Start a randomized pass with ``probe`` ``Q`` ``(D, l)`` (``product`` reset to 0)."""
+        self.probe = probe
+        self.product = torch.zeros_like(probe)
 
     def add(self, rows: torch.Tensor, first_pass: bool) -> None:
         """Accumulate one block's ``(B, D)`` rows (in float64)."""
         m = rows.to(torch.float64)
         if first_pass:
             self.rows += m.shape[0]
-            self.sum_sq += float(m.square().sum())
-        if self.probe is None:
-            update = m.T @ m
-            self.gram = update if self.gram is None else self.gram + update
+            self.column_sq += m.square().sum(0)
+            if self.gram is not None:
+                self.gram += m.T @ m
             return
-        update = m.T @ (m @ self.probe)
-        self.product = update if self.product is None else self.product + update
+        self.product += m.T @ (m @ self.probe)
+
+    def first_pass_sums(self) -> tuple[list[torch.Tensor], int]:
+        """``([Σ g², GᵀG (gram layers only), dtype marker], rows)``, for the sum over ranks.
+
+        The marker is a zero of the fit's dtype: the ranks' sums promote it, so a
+        rank that never saw the layer learns the dtype the others store.
+        """
+        marker = torch.zeros(1, dtype=self.dtype, device=self.device)
+        grams = [] if self.gram is None else [self.gram]
+        return [self.column_sq, *grams, marker], self.rows
+
+    @classmethod
+    def from_sums(cls, sums: list[torch.Tensor], rows: int) -> _LayerSweep:
+        """A sweep holding first-pass sums (the layout of :meth:`first_pass_sums`)."""
+        column_sq, *grams, marker = sums
+        sweep = cls(column_sq.shape[0], marker.dtype, column_sq.device, use_gram=False)
+        sweep.column_sq, sweep.gram, sweep.rows = column_sq, (grams or [None])[0], rows
+        return sweep
 
 
 def _check_rank_fits(name: str, svd_rank: int | None, width: int) -> int:
@@ -219,24 +257,35 @@ class LoRIFAttributor(BaseInnerProductAttributor):
         """Settings a persisted fit must match (damping is applied at scoring)."""
         return {"rank": self.rank, **self._fit_settings}
 
-    def fit_source(self, train_source: GradientSource) -> dict[str, LoRIFLayerFit]:
+    def fit_source(
+        self, train_source: GradientSource, *, sharded_source: bool = True
+    ) -> dict[str, LoRIFLayerFit]:
         """Streaming truncated SVD ``{layer: LoRIFLayerFit}`` of a train source's rows.
 
         Rows are the train blocks after :meth:`transform_train_rep` (rank ``c``).
         One pass for ``GᵀG`` layers; randomized layers need a reusable source.
+        Inside a sharded :meth:`attribute` every rank must call it: the sums
+        are summed over the ranks (:meth:`sum_over_shards`), so each rank fits
+        every rank's rows; otherwise, or with ``sharded_source=False`` (a
+        source every rank streams whole, such as the queries), it issues no
+        collective.
         """
         sweeps: dict[str, _LayerSweep] = {}
         self._sweep(train_source, sweeps, first_pass=True)
+        sweeps = {
+            name: _LayerSweep.from_sums(sums, rows)
+            for name, (sums, rows) in self.sum_over_shards(
+                {name: sweep.first_pass_sums() for name, sweep in sweeps.items()},
+                "LoRIF fit sums",
+                sharded_source=sharded_source,
+            ).items()
+        }
         if not sweeps:
             raise ValueError("LoRIFAttributor: the training source yielded no per-sample layer.")
         ranks = {name: _check_rank_fits(name, self.svd_rank, s.width) for name, s in sweeps.items()}
-        randomized = {
-            name: sweeps[name]
-            for name, r in ranks.items()
-            if not _uses_gram(sweeps[name].width, r, self.svd_rank is None)
-        }
+        randomized = {name: sweep for name, sweep in sweeps.items() if sweep.gram is None}
         if randomized:
-            self._range_find(train_source, randomized, ranks)
+            self._range_find(train_source, randomized, ranks, sharded_source)
         return {name: self._finish(name, sweep, ranks[name]) for name, sweep in sweeps.items()}
 
     def _sweep(
@@ -254,8 +303,7 @@ class LoRIFAttributor(BaseInnerProductAttributor):
                 if sweep is None:
                     if not first_pass:
                         continue
-                    dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
-                    sweep = sweeps[name] = _LayerSweep(rows.shape[1], dtype, rows.device)
+                    sweep = sweeps[name] = self._new_sweep(name, rows)
                 if rows.shape[1] != sweep.width:
                     raise ValueError(
                         f"LoRIFAttributor: layer {name!r} has {rows.shape[1]} gradient entries "
@@ -265,11 +313,20 @@ class LoRIFAttributor(BaseInnerProductAttributor):
                 sweep.add(rows, first_pass)
             del block
 
+    def _new_sweep(self, name: str, rows: torch.Tensor) -> _LayerSweep:
+        """The accumulators of a layer first seen with ``(B, D)`` ``rows``."""
+        width = rows.shape[1]
+        rank = _check_rank_fits(name, self.svd_rank, width)
+        dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        use_gram = _uses_gram(width, rank, self.svd_rank is None)
+        return _LayerSweep(width, dtype, rows.device, use_gram=use_gram)
+
     def _range_find(
         self,
         train_source: GradientSource,
         sweeps: dict[str, _LayerSweep],
         ranks: Mapping[str, int],
+        sharded_source: bool,
     ) -> None:
         """Randomized range finding for ``sweeps`` (``2 + POWER_ITERATIONS`` passes).
 
@@ -288,12 +345,23 @@ class LoRIFAttributor(BaseInnerProductAttributor):
             sweep = sweeps[name]
             sketch = min(sweep.width, ranks[name] + OVERSAMPLE)
             omega = torch.randn(sweep.width, sketch, generator=generator, dtype=torch.float64)
-            sweep.probe = omega.to(sweep.device)
+            sweep.set_probe(omega.to(sweep.device))  # the same Ω on every rank (seeded)
         for _ in range(POWER_ITERATIONS + 1):
-            self._sweep(train_source, sweeps, first_pass=False)
+            self._product_pass(train_source, sweeps, sharded_source)
             for sweep in sweeps.values():
-                sweep.probe, sweep.product = _orthonormal(sweep.product), None
+                sweep.set_probe(_orthonormal(sweep.product))
+        self._product_pass(train_source, sweeps, sharded_source)
+
+    def _product_pass(
+        self, train_source: GradientSource, sweeps: dict[str, _LayerSweep], sharded_source: bool
+    ) -> None:
+        """One pass accumulating ``GᵀG·Q`` per layer, summed over the ranks' shards."""
         self._sweep(train_source, sweeps, first_pass=False)
+        local = {name: ([sweep.product], 0) for name, sweep in sweeps.items()}
+        for name, ([product], _) in self.sum_over_shards(
+            local, "LoRIF range-finder products", sharded_source=sharded_source
+        ).items():
+            sweeps[name].product = product
 
     @staticmethod
     def _finish(name: str, sweep: _LayerSweep, rank: int) -> LoRIFLayerFit:

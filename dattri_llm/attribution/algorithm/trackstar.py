@@ -372,15 +372,13 @@ class TrackStarAttributor(LoRIFAttributor):
         return block
 
     def prepare_scoring(self, train_source: GradientSource, test_source: GradientSource) -> None:
-        """Fit ``R_train`` (and ``R_query`` when ``mixing < 1``) and each layer's whitener."""
-        if self.args.world_size > 1:
-            raise ValueError(
-                f"TrackStarAttributor fits R from the rows one process sees, but this run has "
-                f"world_size={self.args.world_size} (the training set sharded over processes); "
-                "score on a single process."
-            )
+        """Fit ``R_train`` (and ``R_query`` when ``mixing < 1``) and each layer's whitener.
+
+        ``R_train`` covers every rank's training rows (summed over the shards
+        of a sharded :meth:`attribute`); every rank holds all the queries.
+        """
         train_fits = self.fit_source(train_source)
-        query_fits = self.fit_source(test_source) if self.mixing < 1.0 else {}
+        query_fits = self.fit_source(test_source, sharded_source=False) if self.mixing < 1.0 else {}
         names = [n for n in train_fits if self.mixing == 1.0 or n in query_fits]
         self._whiteners = {
             name: _whitener(name, train_fits[name], query_fits.get(name), self.mixing, self.damping)

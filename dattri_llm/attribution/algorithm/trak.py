@@ -14,6 +14,8 @@ checkpoints (or independently trained models) are averaged.
 The kernel is computed per hooked layer (block-diagonal over layers, as in
 :class:`~dattri_llm.attribution.algorithm.lorif.LoRIFAttributor`, whose exact
 full-rank preconditioner this reuses: ``(ΦᵀΦ + λI)⁻¹ = (ΦᵀΦ/N + λ/N·I)⁻¹ / N``).
+With the training set sharded over ranks, ``ΦᵀΦ``, ``‖Φ‖_F²`` and ``N`` are
+summed over the ranks (LoRIF's fit), so every rank builds the whole kernel.
 """
 
 from __future__ import annotations

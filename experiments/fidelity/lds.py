@@ -111,7 +111,9 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         f"ground truth of `results/{info['tsloo_stem']}.md` (same setting, "
         "`evaluation.leave_one_out`), for comparison.",
         "- Attribution seconds as in `results/tsloo.md` (scoring plus the captures only that "
-        "method needs; STRIDE: fit, measurement and Lasso).",
+        "method needs; STRIDE: fit, measurement and Lasso; MAGIC: replay and reverse sweep from "
+        "the snapshots recorded during training; TrackStar, TRAK: their own passes; SOURCE: its "
+        "segment passes).",
         f"- {MEMORY_NOTE[0].upper()}{MEMORY_NOTE[1:]}.",
         f"- Spread of the ground truth: the query losses vary over the subsets with a mean "
         f"per-query standard deviation of {info['loss_std']:.2e} "

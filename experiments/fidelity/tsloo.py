@@ -118,7 +118,10 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         "(the frozen pass at θ_T for single-checkpoint methods, the query passes at every "
         "checkpoint for TracIn / LESS); training and the capture during training excluded (B.2). "
         "STRIDE needs no capture: its seconds are the operator fit on the fine-tuning samples at "
-        "θ_T, the query measurement and the Lasso.",
+        "θ_T, the query measurement and the Lasso. The metagradient (MAGIC) reads the snapshots "
+        "recorded during training (not charged) and is charged its forward replay and reverse "
+        "sweep; TrackStar and TRAK their own gradient passes at θ_T; SOURCE its passes at the "
+        "earlier segment ends plus the frozen pass at θ_T.",
         f"- {MEMORY_NOTE[0].upper()}{MEMORY_NOTE[1:]}.",
         "",
         "| method | mean Spearman ± s.e. | 95 % CI | attribution s | peak MiB | notes |",

@@ -152,10 +152,11 @@ def write_plot(rows: list[dict], out: Path, setting: Setting) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
+    palette = plt.cm.tab20.colors + plt.cm.tab20b.colors  # 40 colors: one per method
     markers = "osD^v<>pPX*hd"
     for k, row in enumerate(r for r in rows if r["tsloo"] is not None):
         ax.errorbar(row["tsloo"].mean, row["lds"].mean, xerr=row["tsloo"].se, yerr=row["lds"].se,
-                    fmt=markers[k % len(markers)], capsize=3, color=plt.cm.tab20(k % 20),
+                    fmt=markers[k % len(markers)], capsize=3, color=palette[k % len(palette)],
                     label=f"{row['name']} ({row['lds'].mean:.2f})")  # fmt: skip
     ax.axhline(0, lw=0.8, color="gray")
     ax.axvline(0, lw=0.8, color="gray")

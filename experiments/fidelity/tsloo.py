@@ -173,12 +173,13 @@ def write_plot(rows: list[dict], out: Path, setting: Setting) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.8))
+    palette = plt.cm.tab20.colors + plt.cm.tab20b.colors  # 40 colors: one per method
     markers = "osD^v<>pPX*h"
     methods = [r for r in rows if r["seconds"] is not None and r["name"] != "Random"]
     for k, row in enumerate(methods):
         stat = row["stat"]
         ax.errorbar(row["seconds"], stat.mean, yerr=stat.se, fmt=markers[k % len(markers)],
-                    capsize=3, color=plt.cm.tab20(k % 20),
+                    capsize=3, color=palette[k % len(palette)],
                     label=f"{row['name']} ({stat.mean:.2f})")  # fmt: skip
     styles = iter(["--", ":", "-."])
     for row in rows:

@@ -61,7 +61,10 @@ def test_lds_smoke_writes_table_and_plot(tmp_path):
     table = (tmp_path / "lds.md").read_text(encoding="utf-8")
     assert (tmp_path / "lds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = dict(re.findall(r"^\| ([^|]+?) \| ([+-]\d\.\d{3}) ± \d\.\d{3} \|", table, flags=re.M))
-    for method in ("Random", "Grad-Dot", "TracIn", "EK-FAC", "STRIDE", "TRAK (k=32)", "DataInf"):
+    methods = ("Random", "Grad-Dot", "TracIn", "EK-FAC", "STRIDE", "TRAK (k=32)", "DataInf",
+               "Metagradient (exact ∂L/∂w, MAGIC)", "TrackStar (k²=1024 mask)",
+               "SOURCE (L=4)")  # fmt: skip
+    for method in methods:
         assert method in rows, table
         assert -1.0 <= float(rows[method]) <= 1.0
     assert "Exact leave-one-out Δ as scores" in rows

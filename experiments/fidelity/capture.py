@@ -18,8 +18,10 @@ model inputs, ``hash_sample({"input_ids", "attention_mask"})``):
 * ``snapshots/``: ``TrajectorySnapshots`` of the reference trajectory, recorded during
   the raw capture run: the trained parameters ``θ_t`` before every update
   (``save_parameters(t)``), ``θ_T`` at step ``T``, and every step's batch
-  (``save_batch(t)``, the collated kept samples). Unused by the current methods; for
-  methods that replay the trajectory (metagradients).
+  (``save_batch(t)``, the collated kept samples): the metagradient's replay, SOURCE's
+  segment checkpoints;
+* ``optimizer.pt``: the run's AdamW ``state_dict()`` after its last update (TrackStar's
+  second moment), in the order ``setting.adamw_for`` builds the optimizer.
 
 Every run restarts from the same pretrained weights and follows
 ``setting.run_trajectory``; the capture runs are checked to end at the
@@ -58,6 +60,7 @@ from dattri_llm.attribution.utils import write_lr_schedule
 from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 
 FROZEN_BATCH = 16
+OPTIMIZER_STATE = "optimizer.pt"
 
 
 @dataclass
@@ -103,6 +106,11 @@ class Captured:
     def snapshots(self) -> Path:
         """``TrajectorySnapshots`` directory: ``θ_t`` and the batch of every step, ``θ_T``."""
         return self.root / "snapshots"
+
+    @property
+    def optimizer_state(self) -> Path:
+        """The run's AdamW ``state_dict()`` after its last update (``torch.save``)."""
+        return self.root / OPTIMIZER_STATE
 
     def queries_at(self, step: int) -> Path:
         """Query gradients at ``θ_step`` (before that step's update)."""
@@ -212,6 +220,7 @@ def capture_trajectory(
     snapshots.save_parameters(len(batches), model)
     write_lr_schedule(captured.trajectory, captured.lrs)
     states.save(captured.trajectory)
+    torch.save(box().state_dict(), captured.optimizer_state)
     check_same_end(model, reference, "the raw capture run")
     with offloading(model, captured.queries_final, setting).collect(deregister_on_exit=True):
         backward_over(model, data.queries, len(data.queries))

@@ -111,7 +111,9 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         f"ground truth of `results/{info['tsloo_stem']}.md` (same setting, "
         "`evaluation.leave_one_out`), for comparison.",
         "- Attribution seconds as in `results/tsloo.md` (scoring plus the captures only that "
-        "method needs; STRIDE: fit, measurement and Lasso).",
+        "method needs; STRIDE: fit, measurement and Lasso; MAGIC: replay and reverse sweep from "
+        "the snapshots recorded during training; TrackStar, TRAK: their own passes; SOURCE: its "
+        "segment passes).",
         f"- {MEMORY_NOTE[0].upper()}{MEMORY_NOTE[1:]}.",
         f"- Spread of the ground truth: the query losses vary over the subsets with a mean "
         f"per-query standard deviation of {info['loss_std']:.2e} "
@@ -150,10 +152,11 @@ def write_plot(rows: list[dict], out: Path, setting: Setting) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
+    palette = plt.cm.tab20.colors + plt.cm.tab20b.colors  # 40 colors: one per method
     markers = "osD^v<>pPX*hd"
     for k, row in enumerate(r for r in rows if r["tsloo"] is not None):
         ax.errorbar(row["tsloo"].mean, row["lds"].mean, xerr=row["tsloo"].se, yerr=row["lds"].se,
-                    fmt=markers[k % len(markers)], capsize=3, color=plt.cm.tab20(k % 20),
+                    fmt=markers[k % len(markers)], capsize=3, color=palette[k % len(palette)],
                     label=f"{row['name']} ({row['lds'].mean:.2f})")  # fmt: skip
     ax.axhline(0, lw=0.8, color="gray")
     ax.axvline(0, lw=0.8, color="gray")

@@ -27,23 +27,28 @@ resolves them, and an entry whose class does not import is reported by
 
 from __future__ import annotations
 
-import re
-import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from capture import FINAL_MODEL, Captured
+from capture import Captured
+from method_base import (
+    PROJECTION_K,
+    Method,
+    aligned,
+    arguments,
+    attributor_class,
+    final_model,
+    projected_hooks,
+)
+from replay_methods import MAGIC, SOURCE, TRACKSTAR, metagradient, source, trackstar
 from setting import collate, sequence_losses
 
 from dattri_llm import (
-    AttributionArguments,
     AttributionTask,
     EKFACAttributor,
     GradientRecord,
     GradientStorageManager,
-    HookManagerConfig,
     KFACAttributor,
     LESSAttributor,
     LoRIFAttributor,
@@ -53,49 +58,6 @@ from dattri_llm import (
     TrajectoryTracInAttributor,
 )
 from dattri_llm.task import margin_and_weights
-
-
-@dataclass(frozen=True)
-class Method:
-    """One registry entry.
-
-    Attributes:
-        score: ``score(captured) -> (num_train, num_query)`` float64, "helps" sign.
-        charged: keys of ``Captured.seconds`` added to the method's attribution seconds.
-        note: the table's note.
-        needs: attributor classes the entry uses (``"Name"`` exported by ``dattri_llm`` or
-            ``"module.path:Name"``); if one does not import the row reads "not run".
-    """
-
-    score: Callable[[Captured], torch.Tensor]
-    charged: tuple[str, ...] = ()
-    note: str = ""
-    needs: tuple[str, ...] = ()
-
-
-def aligned(score, captured: Captured) -> torch.Tensor:
-    """An ``AttributionScore`` as ``(num_train, num_query)`` in the "helps" sign, rows summed
-    over steps.
-
-    Training samples the score has no row for (not in the scored steps) get 0.
-    """
-    ids, matrix = score.agnostic_matrix()
-    matrix = matrix * score.polarity
-    row_of = {sample: row for row, sample in enumerate(captured.train_ids)}
-    columns = [score.test_index[q] for q in captured.query_ids]
-    result = torch.zeros(len(captured.train_ids), len(captured.query_ids), dtype=torch.float64)
-    result[[row_of[i] for i in ids]] = matrix[:, columns].double()
-    return result
-
-
-def arguments(captured: Captured) -> AttributionArguments:
-    """Scoring arguments: CPU, a throwaway output directory."""
-    return AttributionArguments(
-        output_dir=tempfile.mkdtemp(prefix="tsloo_"),
-        use_cpu=True,
-        seed=captured.setting.seed,
-        per_device_train_batch_size=16,
-    )
 
 
 # ---------------------------------------------------------------------------- single checkpoint
@@ -298,17 +260,6 @@ STRIDE_CONFIG = StrideConfig(
 )
 
 
-def final_model(captured: Captured) -> tuple[torch.nn.Module, object]:
-    """``(model at θ_T, data)`` rebuilt from the setting and the captured final weights."""
-    from setting import make_data, make_model
-
-    data = make_data(captured.setting)
-    model = make_model(captured.setting, data.vocab_size)
-    model.load_state_dict(torch.load(captured.root / FINAL_MODEL, weights_only=True))
-    model.eval()
-    return model, data
-
-
 def stride_attributor(
     captured: Captured, model: torch.nn.Module, config: StrideConfig
 ) -> StrideAttributor:
@@ -346,7 +297,7 @@ def stride(config: StrideConfig = STRIDE_CONFIG) -> Callable[[Captured], torch.T
 # ---------------------------------------------------------------------------- TRAK, DataInf, IF
 # TRAK's random projection P of the margin gradients: each layer's input and output sides
 # projected to k = 32 (k² = 1024 numbers per layer, as the LoGRA-style row).
-TRAK_PROJECTION = 32
+TRAK_PROJECTION = PROJECTION_K
 
 
 def lm_margins(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,13 +316,7 @@ def trak(captured: Captured) -> torch.Tensor:
     captures its own gradients, so its whole run is charged.
     """
     model, data = final_model(captured)
-    patterns = captured.setting.hooked_layers
-    projected = {  # LayerNorms (trainer setting) have no factor projection: left unprojected
-        name: {"proj_dim": TRAK_PROJECTION}
-        for name, module in model.named_modules()
-        if any(re.search(p, name) for p in patterns) and not isinstance(module, torch.nn.LayerNorm)
-    }
-    hooks = HookManagerConfig(linear_io=patterns, projection_kwargs=projected)
+    hooks = projected_hooks(model, captured.setting, {"proj_dim": TRAK_PROJECTION})
     attributor = attributor_class(TRAK)(
         arguments(captured), task=AttributionTask(None, model), output_func=lm_margins
     )
@@ -429,6 +374,7 @@ DVEMB = "DVEmbAttributor"
 TRAK = "TRAKAttributor"
 DATAINF = "DataInfAttributor"
 INFLUENCE = "InfluenceFunctionAttributor"
+SOURCE_SEGMENTS = 4
 
 
 FROZEN = ("frozen",)
@@ -481,19 +427,36 @@ METHODS: dict[str, Method] = {
         f"λ = {IF_DAMPING:g}",
         (INFLUENCE,),
     ),
+    "Metagradient (exact ∂L/∂w, MAGIC)": Method(
+        metagradient,
+        (),
+        "exact derivative in the sample's loss weight through the recorded run (every update, "
+        "full Hessian, clip, Adam moments), replayed in float64 with a float64 loss from the "
+        "snapshots recorded during training; the first-order limit",
+        (MAGIC,),
+    ),
+    "TrackStar (k²=1024 mask)": Method(
+        trackstar,
+        (),
+        "θ_T, live: gradients ⊘ (√v + eps) of the trained AdamW, random mask of 1024 "
+        "coordinates per layer (LoGRA's factor projection cannot follow the division), "
+        "R = 0.9 R_train + 0.1 R_query, unit rows (its own gradient passes included)",
+        (TRACKSTAR,),
+    ),
+    f"SOURCE (L={SOURCE_SEGMENTS})": Method(
+        source(SOURCE_SEGMENTS),
+        FROZEN,
+        f"EK-FAC at the ends of {SOURCE_SEGMENTS} equal segments, η̄ = summed AdamW rates used "
+        "as SGD step sizes, λ = 0.1 × mean eigenvalue (the earlier segments' passes included)",
+        (SOURCE,),
+    ),
+    "SOURCE (L=1)": Method(
+        source(1),
+        FROZEN,
+        "one segment: EK-FAC at θ_T with η̄ = the summed rates (finite-horizon EK-FAC)",
+        (SOURCE,),
+    ),
 }
-
-
-def attributor_class(spec: str) -> type:
-    """The class ``spec`` names: ``"Name"`` from ``dattri_llm``, or ``"module.path:Name"``."""
-    import importlib
-
-    import dattri_llm
-
-    if ":" in spec:
-        module, name = spec.split(":", 1)
-        return getattr(importlib.import_module(module), name)
-    return getattr(dattri_llm, spec)
 
 
 def needed_classes() -> set[str]:

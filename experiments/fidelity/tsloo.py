@@ -42,7 +42,6 @@ from scoring import (  # noqa: E402
     Prepared,
     Scored,
     capture_with_model,
-    fresh_model,
     prepare,
     score_matrices,
 )
@@ -53,53 +52,13 @@ from setting import (  # noqa: E402
     Setting,
     finetuned_parameters,
     lr_schedule,
-    query_losses,
-    run_trajectory,
 )
 
 from dattri_llm.evaluation import LeaveOneOutResult, spearman  # noqa: E402
 
-__all__ = ["FIRST_ORDER_EPSILON", "first_order_limit", "main", "run"]
+__all__ = ["main", "run"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FIRST_ORDER_EPSILON = 1e-4
-
-
-# ---------------------------------------------------------------------------- references
-def first_order_limit(prepared: Prepared, truth: LeaveOneOutResult) -> dict:
-    """The "First-order limit" reference row: exact ``∂L/∂w`` by float64 replays.
-
-    Each removed sample's loss is weighted ``1 − ε`` (``ε = FIRST_ORDER_EPSILON``) and
-    ``(L(1 − ε) − L) / ε`` is correlated with the ground truth. A sample weight is no
-    subset of kept indices, so ``evaluation.leave_one_out`` cannot express it: this keeps
-    its own loop. Self-contained (row, footnote, timing) so that it can be removed whole.
-    """
-    t = time.perf_counter()
-    p = prepared
-    model = fresh_model(p.start, p.setting, p.data, torch.float64)
-    run_trajectory(model, p.setting, p.data)
-    reference = query_losses(model, p.data)
-    deltas = []
-    for removed in truth.removed:
-        model = fresh_model(p.start, p.setting, p.data, torch.float64)
-        run_trajectory(
-            model, p.setting, p.data, removed=removed, removed_weight=1.0 - FIRST_ORDER_EPSILON
-        )
-        deltas.append(query_losses(model, p.data) - reference)
-    stat = Stat.over(spearman(torch.stack(deltas) / FIRST_ORDER_EPSILON, truth.delta))
-    return {
-        "name": "First-order limit (exact ∂L/∂w by replay)",
-        "stat": stat,
-        "seconds": None,
-        "peak_mib": None,
-        "note": f"reference: replays with weight 1 − {FIRST_ORDER_EPSILON:g}",
-        "replay_seconds": time.perf_counter() - t,
-        "footnote": "First-order limit: the exact infinitesimal removal effect, (L(θ_T with "
-        f"the sample's loss weighted 1 − ε) − L(θ_T)) / ε with ε = {FIRST_ORDER_EPSILON:g}, by "
-        "float64 replays of the same trajectory, against the same ground truth. A first-order "
-        "method that were exact (every coordinate, the true Hessians, the exact AdamW maps) "
-        "would score this; the gap to 1 is the Taylor error of removing a whole sample.",
-    }
 
 
 def write_table(rows: list[dict], info: dict, out: Path) -> Path:
@@ -159,7 +118,10 @@ def write_table(rows: list[dict], info: dict, out: Path) -> Path:
         "(the frozen pass at θ_T for single-checkpoint methods, the query passes at every "
         "checkpoint for TracIn / LESS); training and the capture during training excluded (B.2). "
         "STRIDE needs no capture: its seconds are the operator fit on the fine-tuning samples at "
-        "θ_T, the query measurement and the Lasso.",
+        "θ_T, the query measurement and the Lasso. The metagradient (MAGIC) reads the snapshots "
+        "recorded during training (not charged) and is charged its forward replay and reverse "
+        "sweep; TrackStar and TRAK their own gradient passes at θ_T; SOURCE its passes at the "
+        "earlier segment ends plus the frozen pass at θ_T.",
         f"- {MEMORY_NOTE[0].upper()}{MEMORY_NOTE[1:]}.",
         "",
         "| method | mean Spearman ± s.e. | 95 % CI | attribution s | peak MiB | notes |",
@@ -202,8 +164,8 @@ def stem(setting: Setting) -> str:
 def write_plot(rows: list[dict], out: Path, setting: Setting) -> Path:
     """``tsloo.png``: fidelity against attribution time (log x); references as dashed lines.
 
-    The references are the rows without a time (ceiling, first-order limit) and the
-    random baseline, whose time is meaningless.
+    The references are the rows without a time (the noise ceiling) and the random
+    baseline, whose time is meaningless.
     """
     import matplotlib
 
@@ -211,12 +173,13 @@ def write_plot(rows: list[dict], out: Path, setting: Setting) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.8))
+    palette = plt.cm.tab20.colors + plt.cm.tab20b.colors  # 40 colors: one per method
     markers = "osD^v<>pPX*h"
     methods = [r for r in rows if r["seconds"] is not None and r["name"] != "Random"]
     for k, row in enumerate(methods):
         stat = row["stat"]
         ax.errorbar(row["seconds"], stat.mean, yerr=stat.se, fmt=markers[k % len(markers)],
-                    capsize=3, color=plt.cm.tab20(k % 20),
+                    capsize=3, color=palette[k % len(palette)],
                     label=f"{row['name']} ({stat.mean:.2f})")  # fmt: skip
     styles = iter(["--", ":", "-."])
     for row in rows:
@@ -277,7 +240,7 @@ def run(setting: Setting, out: Path, cache: Path | None = CACHE) -> Path:
     truth = loo_truth(prepared.start, setting, data, cache=cache)
     truth_time = time.perf_counter() - t
     t = time.perf_counter()
-    references = [noise_ceiling(prepared, truth, cache), first_order_limit(prepared, truth)]
+    references = [noise_ceiling(prepared, truth, cache)]
     ceiling_time = time.perf_counter() - t
     print(f"ground truth {truth_time:.0f} s; references {ceiling_time:.0f} s")
 

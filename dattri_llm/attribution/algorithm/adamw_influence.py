@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
+from dattri_llm.attribution.algorithm.trajectory.first_update import first_update_meta
 from dattri_llm.attribution.algorithm.trajectory.folds import ADAMW_OPTIMIZERS, AdamWFold
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics
 from dattri_llm.attribution.algorithm.trajectory.scope import RunScope
@@ -481,7 +482,8 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         probes, about the cost of one more query-side sweep) and records its
         :meth:`ErrorProxy.to_meta` under ``algorithm_meta["error_proxy"]``,
         with a ``UserWarning`` when the linear scores are flagged unreliable;
-        any other keyword raises ``TypeError``.
+        any other keyword raises ``TypeError``. A scored first update records
+        ``algorithm_meta["first_update"]`` (:mod:`.trajectory.first_update`).
 
         Raises:
             ValueError: bad ``loss_reduction`` / ``propagation`` / ``num_masks``;
@@ -516,6 +518,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             )
         finally:
             self._verbose = False
+        extra_meta = {**extra_meta, **first_update_meta(
+            result.scores, result.row_steps, scope.run, scope.swept, method=self.algorithm
+        )}  # fmt: skip
         if with_proxy:
             proxy = self.error_proxy(
                 train_source,

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
+from dattri_llm.attribution.algorithm.trajectory.first_update import first_update_meta
 from dattri_llm.attribution.algorithm.trajectory.reverse import MetagradientSweep, UnrollSetup
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics, Window
 from dattri_llm.attribution.algorithm.trajectory.sweep import LOSS_REDUCTIONS, check_choice
@@ -231,8 +232,10 @@ class MetagradientAttributor(TrajectoryAttributor):
 
         Returns:
             rows ``(sample, step)`` latest step first, columns the queries;
-            ``algorithm_meta`` holds the replay errors, clip coefficients and
-            the passes' wall times.
+            ``algorithm_meta`` holds the replay errors, clip coefficients,
+            the passes' wall times and, when the optimizer's first update is
+            scored, ``first_update`` (a ``UserWarning`` when its rows stand out;
+            :mod:`.trajectory.first_update`).
 
         Raises:
             ValueError: a train source that is not a snapshot store; a run
@@ -259,7 +262,8 @@ class MetagradientAttributor(TrajectoryAttributor):
         prop, output, final = self.resolve_steps(
             snapshots.steps(), selected_training_steps, final_step
         )
-        windows = _check_windows(RunDynamics.from_records(recorded), prop, output)
+        run = RunDynamics.from_records(recorded)
+        windows = _check_windows(run, prop, output)
         task = self.require_task("attribute_from_cache")
         groups = _parameter_groups(recorded, task.model, windows)
         device = _device_of(task.model)
@@ -305,6 +309,7 @@ class MetagradientAttributor(TrajectoryAttributor):
             "clip_coefficients": dict(sweep.clip_coefficients),
             "seconds": seconds,
         }
+        meta.update(first_update_meta(scores, row_steps, run, windows, method=self.algorithm))
         self.scored_layers = []
         return self.build_score(scores, row_ids, row_steps, test_ids, algorithm_meta=meta)
 

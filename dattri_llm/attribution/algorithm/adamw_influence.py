@@ -55,6 +55,11 @@ import torch
 from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor
 from dattri_llm.attribution.algorithm.trajectory.first_update import first_update_meta
 from dattri_llm.attribution.algorithm.trajectory.folds import ADAMW_OPTIMIZERS, AdamWFold
+from dattri_llm.attribution.algorithm.trajectory.masks import (
+    check_num_masks,
+    coordinate_groups,
+    mask_groups,
+)
 from dattri_llm.attribution.algorithm.trajectory.run import RunDynamics
 from dattri_llm.attribution.algorithm.trajectory.scope import RunScope
 from dattri_llm.attribution.algorithm.trajectory.second_order import (
@@ -90,7 +95,6 @@ if TYPE_CHECKING:
 
 ADAMW_DYNAMICS_FILE = "adamw_dynamics.pt"
 # Seed of the disjoint coordinate groups of ``num_masks > 1``.
-_GROUP_SEED = 0
 # ``args.optim`` values whose optimizer AdamW-influence models.
 _ADAMW_OPTIMS = ("adamw_torch", "adamw")
 
@@ -100,41 +104,6 @@ _FROM_CACHE = (
     "dynamics", "selected_training_steps", "layer_name", "loss_reduction", "propagation",
     "loop_over_test", "final_step", "block_dtype", "num_masks", "algorithm_meta", "error_proxy",
 )  # fmt: skip
-
-
-def coordinate_groups(widths: Mapping[str, int], num_masks: int) -> list[torch.Tensor | None]:
-    """``num_masks`` disjoint index sets over the concatenated coordinates (``[None]`` for 1).
-
-    Each layer's coordinates are permuted (seeded by the width) and split into
-    ``num_masks`` near-equal parts; group ``j`` takes part ``j`` of every
-    layer, sorted.
-
-    Raises:
-        ValueError: a layer with fewer coordinates than ``num_masks``.
-    """
-    if num_masks == 1:
-        return [None]
-    groups: list[list[torch.Tensor]] = [[] for _ in range(num_masks)]
-    offset = 0
-    for name, width in widths.items():
-        if width < num_masks:
-            raise ValueError(
-                f"num_masks={num_masks} exceeds the {width} captured coordinates of layer "
-                f"{name!r}; use fewer masks or capture more coordinates"
-            )
-        gen = torch.Generator().manual_seed(_GROUP_SEED * 1_000_003 + width)
-        parts = torch.tensor_split(torch.randperm(width, generator=gen), num_masks)
-        for group, part in zip(groups, parts, strict=True):
-            group.append(part.sort().values + offset)
-        offset += width
-    return [torch.cat(group) for group in groups]
-
-
-def check_num_masks(num_masks: object) -> int:
-    """``num_masks`` if it is an int ``>= 1``, else ``ValueError``."""
-    if isinstance(num_masks, bool) or not isinstance(num_masks, int) or num_masks < 1:
-        raise ValueError(f"num_masks must be an int >= 1, got {num_masks!r}")
-    return num_masks
 
 
 class AdamWInfluenceAttributor(TrajectoryAttributor):
@@ -381,7 +350,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             device=torch.device(self.args.device),
             dtype=block_dtype,
             loss_reduction=loss_reduction,
-            groups=_groups(check_num_masks(num_masks)),
+            groups=mask_groups(check_num_masks(num_masks)),
         )
         result = engine.sweep(
             train_source,
@@ -512,7 +481,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
                 propagation=propagation,
                 loop_over_test=loop_over_test,
                 block_dtype=block_dtype,
-                groups=_groups(num_masks),
+                groups=mask_groups(num_masks),
                 entries=entries,
                 verbose=verbose,
             )
@@ -674,11 +643,6 @@ def _warn_if_unreliable(proxy: ErrorProxy) -> None:
             UserWarning,
             stacklevel=3,
         )
-
-
-def _groups(num_masks: int):
-    """The engine's coordinate groups of ``num_masks`` disjoint masks."""
-    return lambda layout: coordinate_groups(layout, num_masks)
 
 
 def _check_entries(entries: Mapping[int, dict], windows: list) -> None:

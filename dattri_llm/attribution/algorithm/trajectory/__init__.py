@@ -11,7 +11,8 @@
   updates, and the :class:`Fold` interface a method fills in;
 * :mod:`.folds`: the folds of trajectory TracIn, DVEmb and AdamW-influence;
 * :mod:`.second_order`: AdamW-influence's second-order error proxy (a forward sweep).
-* :mod:`.first_update`: the share of a score held by Adam's first update (a warning).
+* :mod:`.first_update`: the share of a score held by Adam's first update (a warning);
+* :mod:`.masks`: disjoint coordinate masks of the sweep (AdamW-influence's ``num_masks``).
 """
 
 from dattri_llm.attribution.algorithm.trajectory.base import TrajectoryAttributor

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+import dattri_llm.attribution.gather as gather
 from dattri_llm.attribution.algorithm.kronecker import EKFACAttributor, KFACAttributor
 from dattri_llm.attribution.algorithm.kronecker.curvature import layer_error, token_summed_rows
 from dattri_llm.attribution.base import BaseInnerProductAttributor
@@ -61,6 +62,8 @@ from dattri_llm.gradient.ops.kronecker import (
 )
 from dattri_llm.gradient.ops.materialize import materialize
 from dattri_llm.gradient.ops.types import is_kfac_eligible
+from dattri_llm.utils.distributed import dist_world_size
+from dattri_llm.utils.wrappers import is_fsdp
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.arguments import AttributionArguments
@@ -298,13 +301,23 @@ class SourceAttributor(BaseInnerProductAttributor):
         training gradients are streamed for the curvature fit (one pass K-FAC,
         two EK-FAC) and the scoring pass. Rows carry the checkpoint index.
 
+        Under a process group (``WORLD_SIZE`` = the group's size > 1, the model
+        wrapped in DDP) each rank streams its unpadded shard of the training
+        set and every query; each segment's fit sums its statistics over the
+        ranks (the Kronecker accumulators' all-reduce), so every rank holds
+        the same curvatures and propagated queries, and the rows of every
+        segment are gathered in training-set order: every rank returns the
+        single-process score and rank 0 saves it.
+
         Raises:
-            ValueError: no task; empty datasets; a process group (unsupported).
+            ValueError: no task; empty datasets; ``WORLD_SIZE > 1`` without a
+                process group of that size; ``args.fsdp`` or an FSDP-wrapped
+                task under a process group (see :meth:`_check_distributed`).
         """
         task = self.require_task("attribute")
         _check_dataset(train_dataset, "training")
         _check_dataset(test_dataset, "test")
-        self._require_single_process()
+        self._check_distributed(task)
         last = task.num_checkpoints() - 1
         self.load_checkpoint(last)
         probe = self.generate_test_rep(
@@ -320,7 +333,9 @@ class SourceAttributor(BaseInnerProductAttributor):
                 train_dataset, checkpoint_step=k, hook_config=hook_config
             )
 
-        return self._run(segment, queries, task.num_checkpoints(), verbose, None)
+        return self._run(
+            segment, queries, task.num_checkpoints(), verbose, None, len(train_dataset)
+        )
 
     def attribute_from_cache(  # type: ignore[override]
         self,
@@ -338,6 +353,12 @@ class SourceAttributor(BaseInnerProductAttributor):
         attributor.cache(train, test)``: ``[t for t, _ in pairs]`` and
         ``pairs[-1][1]``. Rows carry the store's index ``ℓ``.
 
+        Under a process group every rank must call it (each segment's fit
+        all-reduces its sums and counts) and scores exactly the stores it is
+        given, with nothing gathered: given the same whole stores, every rank's
+        sums and counts both grow ``W``-fold, so the fits and the score equal
+        the single-process ones.
+
         Raises:
             ValueError: ``train_source`` is not a sequence with one store per
                 segment rate; a store without records.
@@ -348,7 +369,6 @@ class SourceAttributor(BaseInnerProductAttributor):
                 f"checkpoint (segment), got {type(train_source).__name__}."
             )
         segment_rates(self.segment_learning_rates, len(train_source))
-        self._require_single_process()
         layers = normalize_layer_names(layer_name)
         stores = [open_store_directory(s) for s in train_source]
         for store in stores:
@@ -364,11 +384,35 @@ class SourceAttributor(BaseInnerProductAttributor):
         return self._run(segment, queries, len(stores), verbose, layers)
 
     # ------------------------------------------------------------------ the segments
-    def _require_single_process(self) -> None:
-        if self.args.world_size > 1:
+    def _check_distributed(self, task: Any) -> None:
+        """Refuse the live settings whose scores could not equal the single-process ones.
+
+        Raised before any collective, on every rank alike: ``WORLD_SIZE > 1``
+        without a process group of that size (the sampler would shard the
+        training set but the fits could not be summed over the ranks, so each
+        rank would fit its own shard); FSDP (``args.fsdp``, or a task given an
+        FSDP wrapper) under a process group: the query probe and every
+        checkpoint's training pass run through their own streamers, and FSDP
+        shards a model in place once.
+        """
+        world = self.args.world_size
+        if world <= 1:
+            return
+        if dist_world_size() != world:
             raise ValueError(
-                "SourceAttributor runs in one process; a process group "
-                f"(world_size={self.args.world_size}) is not supported."
+                f"SourceAttributor: WORLD_SIZE={world} shards the training set, but this process "
+                f"is in a process group of {dist_world_size()}; each segment's K-FAC fit must "
+                "sum over every rank's rows. Call torch.distributed.init_process_group on every "
+                "rank before attribute(), or unset WORLD_SIZE to score in one process."
+            )
+        wrapper = task.forward_model
+        if self.args.fsdp or (wrapper is not None and is_fsdp(wrapper)):
+            what = f"args.fsdp={self.args.fsdp!r}" if self.args.fsdp else "an FSDP-wrapped task"
+            raise ValueError(
+                f"SourceAttributor does not support FSDP ({what}): it runs the queries and "
+                "every checkpoint's training pass through separate streamers, and FSDP shards "
+                "the model's parameters in place once. Use DDP (unset args.fsdp and give the "
+                "task the plain model), or score stores with attribute_from_cache."
             )
 
     def _run(
@@ -378,8 +422,15 @@ class SourceAttributor(BaseInnerProductAttributor):
         num_segments: int,
         verbose: bool,
         layers: list[str] | None,
+        num_samples: int | None = None,
     ) -> AttributionScore:
-        """Fit and score every segment, latest first, propagating the queries; build the score."""
+        """Fit and score every segment, latest first, propagating the queries; build the score.
+
+        ``num_samples`` (live): the training set's size; each segment's rows
+        are gathered over the ranks' shards in training-set order
+        (:func:`~dattri_llm.attribution.gather.gather_results`, a no-op in one
+        process).
+        """
         if not queries:
             raise ValueError("SourceAttributor: the test set gave no query gradients.")
         rates = segment_rates(self.segment_learning_rates, num_segments)
@@ -397,7 +448,15 @@ class SourceAttributor(BaseInnerProductAttributor):
         finally:
             self._verbose = False
             self._response = {}
-        scores, row_ids, row_steps, test_ids, _ = concat_results(results[::-1])
+        results = results[::-1]  # checkpoint order
+        if num_samples is not None:
+            results = gather.gather_results(
+                results,
+                num_samples=num_samples,
+                world_size=self.args.world_size,
+                rank=self.args.process_index,
+            )
+        scores, row_ids, row_steps, test_ids, _ = concat_results(results)
         meta = {
             "n_checkpoints": num_segments,
             "segment_learning_rates": rates,

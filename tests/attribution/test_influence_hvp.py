@@ -129,3 +129,19 @@ def test_unbatchable_graph_falls_back_to_one_backward_per_row(tmp_path):
     for k in range(3):
         (single,) = torch.autograd.grad([g], [w], [rows[k, :20].reshape(5, 4)], retain_graph=True)
         torch.testing.assert_close(got[0][k], single, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("batched", [True, None])
+def test_row_blocks_equal_one_backward_per_row(batched):
+    torch.manual_seed(0)
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    (g,) = torch.autograd.grad((x @ w.T).tanh().pow(2).sum(), [w], create_graph=True)
+    rows = torch.randn(5, 5, 4, dtype=torch.float64)
+    products = RowProducts(batched, row_block=2)  # blocks of 2, 2, 1 rows
+    got = products([g], [w], [rows])[0]
+    assert got.shape == rows.shape
+    for k in range(5):
+        (single,) = torch.autograd.grad([g], [w], [rows[k]], retain_graph=True)
+        torch.testing.assert_close(got[k], single, rtol=1e-12, atol=1e-12)
+    assert products.batched is not None

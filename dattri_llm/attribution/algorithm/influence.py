@@ -52,27 +52,48 @@ __all__ = ["SOLVERS", "InfluenceFunctionAttributor"]
 
 SOLVERS = ("cg", "lissa", "direct")
 DEFAULT_MAX_PARAMS = 20_000
+ROW_BLOCK = 64  # rows per batched HVP backward: bounds its (rows, *activation) temporaries
 
 
 class RowProducts:
     """VJPs of a retained graph for ``K`` cotangent rows, batched or one row at a time.
 
-    ``batched``: ``True`` one batched backward (``is_grads_batched``),
-    ``False`` one backward per row, ``None`` (auto) both timed on the first
-    call with ``K > 1`` and the faster kept. Batched wins when per-call overhead
-    dominates (tiny graphs), looping when the activations are large (the
-    batched backward's ``(K, tokens, vocab)`` temporaries are memory-bound on
-    CPU). An operation without a batching rule switches to looping for good.
+    ``batched``: ``True`` batched backwards (``is_grads_batched``) of at most
+    ``row_block`` rows each, ``False`` one backward per row, ``None`` (auto)
+    both timed on the first block of more than one row and the faster kept.
+    Batched wins when per-call overhead dominates (tiny graphs), looping when
+    the activations are large (the batched backward's ``(K, tokens, vocab)``
+    temporaries are memory-bound on CPU); ``row_block`` bounds the batched
+    temporaries (the direct solve passes all ``D`` unit vectors in one call).
+    An operation without a batching rule switches to looping for good.
     """
 
-    def __init__(self, batched: bool | None) -> None:
+    def __init__(self, batched: bool | None, row_block: int = ROW_BLOCK) -> None:
         self.batched = batched
+        self.row_block = row_block
 
     def __call__(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], rows: list[torch.Tensor]
-    ) -> Sequence[torch.Tensor | None]:
+    ) -> list[torch.Tensor]:
         """``(K, *input.shape)`` per input: each row of ``rows`` times the outputs' Jacobian."""
-        if self.batched is False or rows[0].shape[0] == 1:
+        count = rows[0].shape[0]
+        parts = []
+        for start in range(0, count, self.row_block):
+            if self.batched is False:  # the rest one row at a time
+                parts.append(
+                    looped_vjp(outputs, inputs, [r[start:] for r in rows], retain_graph=True)
+                )
+                break
+            parts.append(
+                self._block(outputs, inputs, [r[start : start + self.row_block] for r in rows])
+            )
+        return [torch.cat(pieces) for pieces in zip(*parts)]
+
+    def _block(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], rows: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        count = rows[0].shape[0]
+        if count == 1:
             return looped_vjp(outputs, inputs, rows, retain_graph=True)
         start = _clock(rows[0])
         got = batched_vjp(outputs, inputs, rows, retain_graph=True)
@@ -84,7 +105,10 @@ class RowProducts:
             start = _clock(rows[0])
             looped_vjp(outputs, inputs, rows, retain_graph=True)
             self.batched = batched_seconds <= _clock(rows[0]) - start
-        return got
+        return [
+            torch.zeros(count, *x.shape, device=x.device, dtype=x.dtype) if g is None else g
+            for g, x in zip(got, inputs)
+        ]
 
 
 def _clock(reference: torch.Tensor) -> float:
@@ -271,8 +295,7 @@ class InfluenceFunctionAttributor(BaseInnerProductAttributor):
             live = [(g, t) for g, t in zip(grads, tangents) if g is not None and g.requires_grad]
             if not live:  # the gradient is constant in the parameters: H = 0
                 return [torch.zeros_like(t) for t in tangents]
-            got = rows_vjp([g for g, _ in live], leaves, [t for _, t in live])
-            return [torch.zeros_like(t) if g is None else g for g, t in zip(got, tangents)]
+            return rows_vjp([g for g, _ in live], leaves, [t for _, t in live])
 
         graphs = [gradient_graph(self.hessian_batches)] if self.retain_hessian_graph else None
 

@@ -8,14 +8,16 @@ with ``g_i``, ``q_j`` the stored per-sample gradients of the hooked linear
 layers (weight and bias, unprojected) and ``H`` the exact Hessian, over those
 layers' parameters, of the mean of the task's ``loss_func`` over
 ``hessian_batches`` (one sample per batch: the mean training loss). ``H`` is
-never formed for ``"cg"`` / ``"lissa"``: Hessian-vector products come from
-``torch.func`` (forward-over-reverse, double backward) on the task model,
-every other parameter held fixed. Sign: positive = helpful, as Grad-Dot
+never formed for ``"cg"`` / ``"lissa"``: Hessian-vector products are
+reverse-over-reverse (a batched backward through the retained graph of the
+gradient, see :meth:`InfluenceFunctionAttributor.hvp_function`) on the task
+model, every other parameter held fixed. Sign: positive = helpful, as Grad-Dot
 (``polarity = +1``; Koh & Liang 2017's influence on the test loss is the
 negative of this score).
 
 The queries are solved once (``n_test`` solves, each a few dozen HVPs, every
-HVP a pass over ``hessian_batches``); training rows are read as stored.
+HVP a backward through the gradient's graph over ``hessian_batches``);
+training rows are read as stored.
 Meant for small models: more than ``max_params`` hooked parameters is refused.
 For the HVPs ``loss_func(model, batch)`` receives a callable standing in for
 the model (the model run with substituted parameters): it may call its model
@@ -27,6 +29,7 @@ the HVPs run on a model free of capture hooks.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -34,6 +37,8 @@ import torch
 from torch import nn
 
 from dattri_llm.attribution.algorithm.ihvp import conjugate_gradient, direct_solve, lissa
+from dattri_llm.attribution.algorithm.trajectory.unroll import math_attention
+from dattri_llm.attribution.algorithm.vjp import batched_vjp, looped_vjp
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.attribution.blocks import layer_rows, per_sample_layers
 from dattri_llm.utils.keywords import keywords
@@ -47,6 +52,70 @@ __all__ = ["SOLVERS", "InfluenceFunctionAttributor"]
 
 SOLVERS = ("cg", "lissa", "direct")
 DEFAULT_MAX_PARAMS = 20_000
+ROW_BLOCK = 64  # rows per batched HVP backward: bounds its (rows, *activation) temporaries
+
+
+class RowProducts:
+    """VJPs of a retained graph for ``K`` cotangent rows, batched or one row at a time.
+
+    ``batched``: ``True`` batched backwards (``is_grads_batched``) of at most
+    ``row_block`` rows each, ``False`` one backward per row, ``None`` (auto)
+    both timed on the first block of more than one row and the faster kept.
+    Batched wins when per-call overhead dominates (tiny graphs), looping when
+    the activations are large (the batched backward's ``(K, tokens, vocab)``
+    temporaries are memory-bound on CPU); ``row_block`` bounds the batched
+    temporaries (the direct solve passes all ``D`` unit vectors in one call).
+    An operation without a batching rule switches to looping for good.
+    """
+
+    def __init__(self, batched: bool | None, row_block: int = ROW_BLOCK) -> None:
+        self.batched = batched
+        self.row_block = row_block
+
+    def __call__(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], rows: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``(K, *input.shape)`` per input: each row of ``rows`` times the outputs' Jacobian."""
+        count = rows[0].shape[0]
+        parts = []
+        for start in range(0, count, self.row_block):
+            if self.batched is False:  # the rest one row at a time
+                parts.append(
+                    looped_vjp(outputs, inputs, [r[start:] for r in rows], retain_graph=True)
+                )
+                break
+            parts.append(
+                self._block(outputs, inputs, [r[start : start + self.row_block] for r in rows])
+            )
+        return [torch.cat(pieces) for pieces in zip(*parts)]
+
+    def _block(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], rows: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        count = rows[0].shape[0]
+        if count == 1:
+            return looped_vjp(outputs, inputs, rows, retain_graph=True)
+        start = _clock(rows[0])
+        got = batched_vjp(outputs, inputs, rows, retain_graph=True)
+        if got is None:
+            self.batched = False
+            return looped_vjp(outputs, inputs, rows, retain_graph=True)
+        if self.batched is None:
+            batched_seconds = _clock(rows[0]) - start
+            start = _clock(rows[0])
+            looped_vjp(outputs, inputs, rows, retain_graph=True)
+            self.batched = batched_seconds <= _clock(rows[0]) - start
+        return [
+            torch.zeros(count, *x.shape, device=x.device, dtype=x.dtype) if g is None else g
+            for g, x in zip(got, inputs)
+        ]
+
+
+def _clock(reference: torch.Tensor) -> float:
+    """``time.perf_counter()`` once the device of ``reference`` is idle."""
+    if reference.is_cuda:
+        torch.cuda.synchronize(reference.device)
+    return time.perf_counter()
 
 
 class InfluenceFunctionAttributor(BaseInnerProductAttributor):
@@ -67,6 +136,14 @@ class InfluenceFunctionAttributor(BaseInnerProductAttributor):
         max_params: the most hooked parameters ``D`` accepted.
         solver_options: passed to the solver (``max_iter``/``tol`` for CG,
             ``scale``/``depth``/``repeat`` for LiSSA).
+        retain_hessian_graph: ``True`` (default): the gradient's graph over all
+            ``hessian_batches`` is built once per solve and kept, each HVP one
+            backward through it (fast; memory: the activations of every
+            Hessian batch). ``False``: every HVP rebuilds one batch's graph at a
+            time (a forward and backward per batch per HVP; memory: one batch).
+        batch_hvp_rows: the ``K`` rows of an HVP call in one batched backward
+            (``True``), one backward each (``False``), or ``None`` (default):
+            both timed on the first call, the faster kept (:class:`RowProducts`).
 
     Raises:
         ValueError: no task; an unknown solver; negative damping; no batches.
@@ -84,6 +161,8 @@ class InfluenceFunctionAttributor(BaseInnerProductAttributor):
         damping: float = 1e-3,
         max_params: int = DEFAULT_MAX_PARAMS,
         solver_options: dict[str, Any] | None = None,
+        retain_hessian_graph: bool = True,
+        batch_hvp_rows: bool | None = None,
     ) -> None:
         super().__init__(args, task=task)
         self.require_task("__init__")
@@ -105,6 +184,8 @@ class InfluenceFunctionAttributor(BaseInnerProductAttributor):
         self.damping = float(damping)
         self.max_params = int(max_params)
         self.solver_options = dict(solver_options or {})
+        self.retain_hessian_graph = bool(retain_hessian_graph)
+        self.batch_hvp_rows = batch_hvp_rows
 
     def checkpoints(self) -> list[int]:
         """``[0]``: the Hessian is taken at one checkpoint (``UserWarning`` if more)."""
@@ -153,6 +234,14 @@ class InfluenceFunctionAttributor(BaseInnerProductAttributor):
     def hvp_function(self, names: list[str]) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
         """``(hvp, D)``: ``hvp((K, D)) -> (K, D)``, ``H`` over layers ``names``' parameters.
 
+        ``H v`` is a vector-Jacobian product of the gradient ``g = ∇ L`` (``H``
+        is symmetric): ``g`` is computed once with its graph
+        (``create_graph=True``, every parameter but the hooked ones detached),
+        then each call takes backwards through it for the ``K`` rows, batched
+        or one per row (``batch_hvp_rows``; :class:`RowProducts`).
+        Scaled-dot-product attention runs on its math kernel (the fused
+        kernels have no double backward).
+
         Raises:
             ValueError: a non-linear layer; ``D > max_params``.
         """
@@ -173,25 +262,54 @@ class InfluenceFunctionAttributor(BaseInnerProductAttributor):
                 "raise max_params."
             )
         loss_func = self.train_loss_fn()
-        batches = self.hessian_batches
+        # every other parameter enters detached: the graph covers the hooked layers only
+        leaf_ids = {
+            id(getattr(module, kind))
+            for module in layers.values()
+            for kind in ("weight", "bias")
+            if getattr(module, kind) is not None
+        }
+        frozen = {n: p.detach() for n, p in model.named_parameters() if id(p) not in leaf_ids}
+        scale = 1.0 / len(self.hessian_batches)
 
-        def mean_loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        def gradient_graph(batches: Sequence[object]) -> tuple[list[torch.Tensor], list]:
+            """``(leaves, g)``: fresh leaves, ``g = ∂(scale · Σ loss)/∂leaves`` with its graph."""
+            leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+
             def call(*a: Any, **kw: Any) -> Any:
-                return torch.func.functional_call(model, p, a, kw, strict=False)
+                tensors = {**frozen, **leaves}
+                return torch.func.functional_call(model, tensors, a, kw, strict=False)
 
-            total = sum(loss_func(call, batch) for batch in batches)
-            return total / len(batches)
+            with torch.enable_grad(), math_attention():
+                total = sum(loss_func(call, batch) for batch in batches) * scale
+                grads = torch.autograd.grad(
+                    total, list(leaves.values()), create_graph=True, allow_unused=True
+                )
+            return list(leaves.values()), list(grads)
 
-        gradient = torch.func.grad(mean_loss)
+        rows_vjp = RowProducts(self.batch_hvp_rows)
+
+        def products(graph: tuple[list, list], tangents: list[torch.Tensor]) -> list:
+            """``H_b v`` for every row ``v`` of ``tangents``: a VJP of the gradient graph."""
+            leaves, grads = graph
+            live = [(g, t) for g, t in zip(grads, tangents) if g is not None and g.requires_grad]
+            if not live:  # the gradient is constant in the parameters: H = 0
+                return [torch.zeros_like(t) for t in tangents]
+            return rows_vjp([g for g, _ in live], leaves, [t for _, t in live])
+
+        graphs = [gradient_graph(self.hessian_batches)] if self.retain_hessian_graph else None
 
         def hvp(rows: torch.Tensor) -> torch.Tensor:
-            tangents = self._split(layers, rows.to(next(iter(params.values()))))
-            results = []
-            for k in range(rows.shape[0]):
-                tangent = {key: value[k] for key, value in tangents.items()}
-                _, product = torch.func.jvp(gradient, (params,), (tangent,))
-                results.append({key: value.detach().unsqueeze(0) for key, value in product.items()})
-            joined = {key: torch.cat([r[key] for r in results]) for key in results[0]}
+            split = self._split(layers, rows.to(next(iter(params.values()))))
+            tangents = [split[key] for key in params]
+            if graphs is not None:
+                total = products(graphs[0], tangents)
+            else:  # one batch's graph at a time, freed after its products
+                total = [torch.zeros_like(t) for t in tangents]
+                for batch in self.hessian_batches:
+                    part = products(gradient_graph([batch]), tangents)
+                    total = [a + b for a, b in zip(total, part)]
+            joined = {key: value.detach() for key, value in zip(params, total)}
             return self._join(layers, joined).to(rows)
 
         return hvp, size

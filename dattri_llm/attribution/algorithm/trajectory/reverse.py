@@ -43,6 +43,7 @@ from dattri_llm.attribution.algorithm.trajectory.unroll import (
     per_sample_losses,
     window_loss,
 )
+from dattri_llm.attribution.algorithm.vjp import batched_vjp, looped_vjp
 from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 from dattri_llm.utils.atomic import atomic_torch_save
 
@@ -346,17 +347,10 @@ class MetagradientSweep:
         for position, start in enumerate(starts):
             chunk = slice(start, min(start + block, n_test))
             last = position == len(starts) - 1
-            got = self._batched_vjp(outputs, inputs, [bar[chunk] for bar in bars], last)
+            cotangents = [bar[chunk] for bar in bars]
+            got = self._batched_vjp(outputs, inputs, cotangents, last)
             if got is None:  # one query at a time
-                for j in range(chunk.start, chunk.stop):
-                    single = torch.autograd.grad(
-                        outputs, inputs, grad_outputs=[bar[j] for bar in bars],
-                        retain_graph=not (last and j == chunk.stop - 1), allow_unused=True,
-                    )  # fmt: skip
-                    for target, value in zip(result, single, strict=True):
-                        if value is not None:
-                            target[j] = value
-                continue
+                got = looped_vjp(outputs, inputs, cotangents, retain_graph=not last)
             for target, value in zip(result, got, strict=True):
                 if value is not None:
                     target[chunk] = value
@@ -368,16 +362,6 @@ class MetagradientSweep:
         """One batched backward over the leading axis of ``bars`` (``None``: not batchable)."""
         if self._batched is False or bars[0].shape[0] == 1:
             return None
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # vmap's slow-fallback notices
-                got = torch.autograd.grad(
-                    outputs, inputs, grad_outputs=bars,
-                    retain_graph=self._batched is None or not last,
-                    allow_unused=True, is_grads_batched=True,
-                )  # fmt: skip
-        except RuntimeError:
-            self._batched = False
-            return None
-        self._batched = True
+        got = batched_vjp(outputs, inputs, bars, retain_graph=self._batched is None or not last)
+        self._batched = got is not None
         return got

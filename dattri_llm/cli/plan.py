@@ -32,7 +32,7 @@ from dattri_llm.cli.arguments import (
 )
 from dattri_llm.cli.data import TokenizedSet, load_records, tokenize
 from dattri_llm.cli.errors import CLIError
-from dattri_llm.cli.method_arguments import MethodArguments
+from dattri_llm.cli.method_arguments import STRIDE_METHOD, MethodArguments
 from dattri_llm.cli.methods import check_not_stride
 from dattri_llm.cli.model import causal_lm_loss, load_config, load_model, load_tokenizer
 from dattri_llm.cli.stores import capture_arguments, captured_sets
@@ -53,6 +53,16 @@ __all__ = [
 ]
 
 PLAN_FILES = ("plan.txt", "plan.json")
+# What the Grad-Dot plan leaves out for the methods planned as Grad-Dot (the plan's notes).
+UNPLANNED_MEMORY = {
+    "lorif": "its SVD fit's memory is",
+    "trak": "its per-layer (D x D) kernel over the projected gradients is",
+    "trackstar": "its per-layer (D x D) train and query autocorrelations are",
+    "datainf": "the training and query gradients it holds in memory are",
+    "influence": "the gradients it holds in memory and the Hessian's gradient graph are",
+    "metagradient": "the reverse sweep's double-backward graph and adjoints are (its disk is "
+    "checked before training)",
+}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
 
 
@@ -132,8 +142,9 @@ def build_plan(
             )
     except ValueError as err:
         raise CLIError(str(err)) from err
-    if method == "lorif":
-        note = "lorif is planned as graddot: its SVD fit's memory is not predicted"
+    unplanned = UNPLANNED_MEMORY.get(method)
+    if unplanned is not None:
+        note = f"{method} is planned as graddot: {unplanned} not predicted"
         plan = dataclasses.replace(plan, notes=(*plan.notes, note))
     return plan
 
@@ -316,9 +327,12 @@ def run_plan(
 ) -> str:
     """Plan into ``staging`` (``plan.txt``, ``plan.json``); return the text to print.
 
-    ``CLIError`` for stride, which captures no gradients (nothing to plan).
+    ``CLIError`` for stride, which captures no gradients (nothing to plan). The
+    other live-only methods plan as the live ``attribute`` run does: as Grad-Dot,
+    with a note of what that leaves out (``UNPLANNED_MEMORY``).
     """
-    check_not_stride(method_args.method, "plan")
+    if method_args.method == STRIDE_METHOD:
+        check_not_stride(method_args.method, "plan")
     from_config = plan_args.config_only or not has_weights(model_args.model)
     if plan_args.probe and from_config:
         raise CLIError(f"--probe needs the model's weights; {model_args.model} holds none")

@@ -88,6 +88,17 @@ def test_plan_from_sizes_and_a_config_only_directory(workspace, tmp_path, capsys
     nothing_written(out2)
 
 
+@pytest.mark.parametrize(
+    "method", ["lorif", "trak", "trackstar", "datainf", "influence", "metagradient"]
+)
+def test_a_graddot_planned_method_says_what_is_not_predicted(workspace, tmp_path, capsys, method):
+    out = tmp_path / method
+    argv = plan_argv(workspace, out, "--config_only", "--format", "json", "--method", method)
+    assert main(argv) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any(note.startswith(f"{method} is planned as graddot: ") for note in notes), notes
+
+
 def test_plan_probe_estimates_time(workspace, tmp_path, capsys):
     out = tmp_path / "probed"
     assert main(plan_argv(workspace, out, "--probe", "--format", "json")) == 0

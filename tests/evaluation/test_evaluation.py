@@ -200,6 +200,44 @@ def test_interrupted_run_resumes_without_redoing_finished_retrains(tmp_path: Pat
     assert again.calls == []
 
 
+def test_a_kill_mid_write_leaves_every_finished_retrain_readable(tmp_path: Path, monkeypatch):
+    """A run stopped while writing its 8th result (the rename never happens), plus the
+    truncated temporary file a SIGKILL there would leave, resumes from the 7 finished ones."""
+    import dattri_llm.utils.atomic as atomic
+
+    w = planted_weights()
+    config = LDSConfig(num_subsets=20, seed=3)
+    sigma = noise_levels(w, config)
+    reference = lds_ground_truth(
+        Datamodel(w, sigma).train, Datamodel(w, sigma).eval, IDS, config, progress=False
+    )
+    real_replace, renames = atomic.os.replace, []
+
+    def killed_on_eighth(source, target):
+        if Path(target).parent.name != "results":  # the design file
+            return real_replace(source, target)
+        renames.append(target)
+        if len(renames) == 8:
+            raise KeyboardInterrupt("killed mid-write")
+        return real_replace(source, target)
+
+    monkeypatch.setattr(atomic.os, "replace", killed_on_eighth)
+    first = Datamodel(w, sigma)
+    with pytest.raises(KeyboardInterrupt):
+        lds_ground_truth(first.train, first.eval, IDS, config, out_dir=tmp_path, progress=False)
+    monkeypatch.setattr(atomic.os, "replace", real_replace)
+    results = tmp_path / "results"
+    finished = sorted(results.glob("*.json"))
+    assert len(finished) == 7 and Path(renames[-1]).name not in {f.name for f in finished}
+    (results / f".{Path(renames[-1]).name}.x1y2.tmp").write_text('{"losses": [0.1, ')
+    resumed = Datamodel(w, sigma)
+    result = lds_ground_truth(
+        resumed.train, resumed.eval, IDS, config, out_dir=tmp_path, progress=False
+    )
+    assert len(resumed.calls) == 13 and not set(first.calls[:7]) & set(resumed.calls)
+    assert torch.equal(result.losses, reference.losses)
+
+
 class _Exploit:
     def __reduce__(self):
         return (Path.touch, (Path(self.marker),))

@@ -91,9 +91,11 @@ def _variance(optimizer, param) -> torch.Tensor:
     return state["variance"]
 
 
-def _denominator(optimizer, param) -> torch.Tensor:
-    """``sqrt(v) + eps`` (Adam) or ``sqrt(max(v, eps1²))`` (Adafactor), like ``param``."""
-    v, eps = _variance(optimizer, param), optimizer.param_groups[0]["eps"]
+def _denominator(optimizer, param, v: torch.Tensor | None = None) -> torch.Tensor:
+    """``sqrt(v) + eps`` (Adam) or ``sqrt(max(v, eps1²))`` (Adafactor), like ``param``
+    (``v``: the parameter's second moment, or another value of it)."""
+    v = _variance(optimizer, param) if v is None else v
+    eps = optimizer.param_groups[0]["eps"]
     if "exp_avg_sq" in optimizer.state[param]:
         return v.sqrt() + eps
     eps1 = eps[0] or torch.finfo(torch.float32).eps
@@ -170,18 +172,24 @@ def _score(tmp_path, model, optimizer, train, test, loss=mean_loss, hooks=None, 
 
 
 # ---------------------------------------------------------------------------- the map
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("optimizer_cls", [torch.optim.Adam, torch.optim.Adafactor])
-def test_second_moment_map_matches_explicit_division(optimizer_cls):
+def test_second_moment_map_matches_explicit_division(optimizer_cls, dtype):
+    """float64 to 1e-6; bfloat16 gradients and state (a bf16 model's) to bf16 rounding."""
     model, optimizer = _trained(optimizer_cls)
+    rtol = 1e-6 if dtype == torch.float64 else 2e-2
     for name, param in model.named_parameters():
         state, group = optimizer.state[param], optimizer.param_groups[0]
-        g = torch.randn(3, param.numel(), dtype=torch.float64)
-        expected = g / _denominator(optimizer, param).reshape(1, -1)
+        g = torch.randn(3, param.numel(), dtype=torch.float64).to(dtype)
+        v = _variance(optimizer, param).to(dtype)  # the state as a bf16 model keeps it
+        expected = g.double() / _denominator(optimizer, param, v.double()).reshape(1, -1)
         kind = "Adam" if "exp_avg_sq" in state else "Adafactor"
         key = "exp_avg_sq" if kind == "Adam" else "variance"
-        v = {key: _variance(optimizer, param).reshape(-1)}
-        got = second_moment_normalize(g, v, optimizer_type=kind, eps=group["eps"])
-        torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0, msg=name)
+        got = second_moment_normalize(
+            g, {key: v.reshape(-1)}, optimizer_type=kind, eps=group["eps"]
+        )
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=0, msg=name)
 
 
 def test_adafactor_variance_is_the_rank_one_reconstruction_of_the_sums():

@@ -405,6 +405,17 @@ def test_refusals(tmp_path):
     del records["parameter_groups"]
     with pytest.raises(ValueError, match="2 parameter groups but no record"):
         attributor.attribute_from_cache(snaps, test, dynamics=records)
+    records = recorder.records()  # a run recorded under 2 processes
+    for update in records["updates"].values():
+        update["world_size"] = 2
+    with pytest.raises(ValueError, match="recorded run's world_size is 2"):
+        attributor.attribute_from_cache(snaps, test, dynamics=records)
+    with pytest.MonkeyPatch.context() as patch:  # a process of a 2-process launch
+        patch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ValueError, match="replays single-process runs; args.world_size is 2"):
+            MetagradientAttributor(
+                args_for(tmp_path), task=AttributionTask(make_loss("sum"), MLP())
+            ).cache(data(4, 1), data(2, 2), cache_dir=str(tmp_path / "ddp"))
 
 
 @pytest.mark.filterwarnings("ignore:the replayed clip coefficient")

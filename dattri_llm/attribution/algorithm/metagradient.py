@@ -135,6 +135,7 @@ class MetagradientAttributor(TrajectoryAttributor):
         Raises:
             ValueError: ``args.optim`` is not AdamW (checked before training).
         """
+        _check_single_process(self.args.world_size, "args.world_size")
         if self.args.optim not in _ADAMW_OPTIMS:
             raise ValueError(
                 f"the exact metagradient replays torch.optim.AdamW (and Adam) runs; args.optim="
@@ -242,7 +243,8 @@ class MetagradientAttributor(TrajectoryAttributor):
                 without recorded dynamics; an optimizer other than Adam /
                 AdamW, ``amsgrad`` or ``maximize``; a multi-group run recorded
                 without ``parameter_groups``; a run not starting from a fresh
-                optimizer; an empty test set; a bad ``loss_reduction``.
+                optimizer; an empty test set; a bad ``loss_reduction``; a
+                data-parallel run (``args.world_size`` or the recorded one > 1).
         """
         check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
         if query_block is not None and (
@@ -263,6 +265,11 @@ class MetagradientAttributor(TrajectoryAttributor):
             snapshots.steps(), selected_training_steps, final_step
         )
         run = RunDynamics.from_records(recorded)
+        _check_single_process(self.args.world_size, "args.world_size")
+        _check_single_process(
+            max((int(u.get("world_size", 1)) for u in run.updates.values()), default=1),
+            "the recorded run's world_size",
+        )
         windows = _check_windows(run, prop, output)
         task = self.require_task("attribute_from_cache")
         groups = _parameter_groups(recorded, task.model, windows)
@@ -461,6 +468,17 @@ def _load_records(snapshots: TrajectorySnapshots, dynamics: object) -> dict[str,
             "TrainingDynamicsCallback on the run's HookManager, or dynamics=callback)"
         )
     return {"layers": {}, "skipped_steps": [], **recorded}
+
+
+def _check_single_process(world_size: int, what: str) -> None:
+    """``ValueError`` for a data-parallel run: the replay recomputes each update from one
+    process's batch, while a data-parallel update averaged every rank's gradients."""
+    if world_size > 1:
+        raise ValueError(
+            f"the exact metagradient replays single-process runs; {what} is {world_size}. A "
+            "data-parallel update averages the ranks' gradients, which the replay (one "
+            "process's batches) does not reproduce. Record and score the run in one process."
+        )
 
 
 def _check_windows(run: RunDynamics, steps: list[int], output: list[int]) -> list[Window]:

@@ -96,7 +96,6 @@ if TYPE_CHECKING:
 ADAMW_DYNAMICS_FILE = "adamw_dynamics.pt"
 # Seed of the disjoint coordinate groups of ``num_masks > 1``.
 # ``args.optim`` values whose optimizer AdamW-influence models.
-_ADAMW_OPTIMS = ("adamw_torch", "adamw")
 
 Queries = dict[str, torch.Tensor]
 # Keywords of ``attribute_from_cache`` that ``attribute`` passes on.
@@ -177,12 +176,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         Raises:
             ValueError: ``args.optim`` is not AdamW (checked before training).
         """
-        if self.args.optim not in _ADAMW_OPTIMS:
-            raise ValueError(
-                f"AdamW-influence models torch.optim.AdamW (and Adam) runs; args.optim="
-                f"{self.args.optim!r} trains with another optimizer. Use optim='adamw_torch', "
-                "or DVEmb / TracIn for other optimizers"
-            )
+        self.require_adamw_training(
+            "AdamW-influence models", ", or DVEmb / TracIn for other optimizers"
+        )
         return super().cache(
             train_dataset,
             test_dataset,

@@ -69,7 +69,6 @@ if TYPE_CHECKING:
 __all__ = ["MetagradientAttributor"]
 
 # ``args.optim`` values whose optimizer the replay models.
-_ADAMW_OPTIMS = ("adamw_torch", "adamw")
 _FROM_ARGS = object()  # max_grad_norm default: args.max_grad_norm
 # Keywords of ``attribute_from_cache`` that ``attribute`` passes on.
 _FROM_CACHE = (
@@ -136,11 +135,7 @@ class MetagradientAttributor(TrajectoryAttributor):
             ValueError: ``args.optim`` is not AdamW (checked before training).
         """
         _check_single_process(self.args.world_size, "args.world_size")
-        if self.args.optim not in _ADAMW_OPTIMS:
-            raise ValueError(
-                f"the exact metagradient replays torch.optim.AdamW (and Adam) runs; args.optim="
-                f"{self.args.optim!r} trains with another optimizer. Use optim='adamw_torch'"
-            )
+        self.require_adamw_training("the exact metagradient replays")
         return super().cache(
             train_dataset,
             test_dataset,

@@ -68,7 +68,11 @@ if TYPE_CHECKING:
     from dattri_llm.gradient.stream.source import GradientSource
     from dattri_llm.gradient.stream.streamer import GradientStreamer
 
-__all__ = ["TrajectoryAttributor"]
+__all__ = ["ADAMW_OPTIMS", "TrajectoryAttributor"]
+
+# ``args.optim`` values that train with torch.optim.AdamW (what AdamW-influence and the
+# exact metagradient model).
+ADAMW_OPTIMS = ("adamw_torch", "adamw")
 
 
 class TrajectoryAttributor(BaseInnerProductAttributor):
@@ -159,6 +163,17 @@ class TrajectoryAttributor(BaseInnerProductAttributor):
             hook_config=hook_config,
             offload_interval=offload_interval,
         )
+
+    def require_adamw_training(self, method: str, alternative: str = "") -> None:
+        """``ValueError`` (before training) unless ``args.optim`` trains with torch's AdamW.
+
+        ``method`` names what models AdamW runs; ``alternative`` is appended to the fix.
+        """
+        if self.args.optim not in ADAMW_OPTIMS:
+            raise ValueError(
+                f"{method} torch.optim.AdamW (and Adam) runs; args.optim={self.args.optim!r} "
+                f"trains with another optimizer. Use optim='adamw_torch'{alternative}"
+            )
 
     # ------------------------------------------------------------------ subclass hooks
     def trajectory_callbacks(

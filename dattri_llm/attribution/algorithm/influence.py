@@ -37,8 +37,7 @@ import torch
 from torch import nn
 
 from dattri_llm.attribution.algorithm.ihvp import conjugate_gradient, direct_solve, lissa
-from dattri_llm.attribution.algorithm.trajectory.unroll import math_attention
-from dattri_llm.attribution.algorithm.vjp import batched_vjp, looped_vjp
+from dattri_llm.attribution.algorithm.vjp import batched_vjp, looped_vjp, math_attention
 from dattri_llm.attribution.base import BaseInnerProductAttributor
 from dattri_llm.attribution.blocks import layer_rows, per_sample_layers
 from dattri_llm.utils.keywords import keywords

@@ -49,9 +49,9 @@ from dattri_llm.attribution.algorithm.trajectory.unroll import (
     SampleLossFn,
     bound_parameters,
     cast_batch,
-    math_attention,
     per_sample_losses,
 )
+from dattri_llm.attribution.algorithm.vjp import math_attention
 from dattri_llm.attribution.sources import _check_dataset
 from dattri_llm.gradient.callbacks.training_dynamics_callback import TrainingDynamicsCallback
 from dattri_llm.gradient.hooks.identity import SampleIdentity

@@ -5,17 +5,27 @@ cotangents (``torch.autograd.grad(..., is_grads_batched=True)``, which vmaps
 the backward); it returns ``None`` when an operation of the graph has no
 batching rule, and :func:`looped_vjp` then takes one backward per row. The
 exact metagradient's reverse sweep and the influence functions'
-Hessian-vector products both use them.
+Hessian-vector products both use them, inside :func:`math_attention` (the
+fused attention kernels have no double backward).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["batched_vjp", "looped_vjp"]
+__all__ = ["batched_vjp", "looped_vjp", "math_attention"]
+
+
+def math_attention() -> contextlib.AbstractContextManager[None]:
+    """Scaled-dot-product attention on its math kernel inside the block: the fused (flash,
+    memory-efficient) kernels have no double backward, which a graph differentiated twice
+    (the metagradient's reverse sweep, a Hessian-vector product) takes."""
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def batched_vjp(

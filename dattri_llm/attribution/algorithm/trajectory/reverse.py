@@ -39,11 +39,10 @@ from dattri_llm.attribution.algorithm.trajectory.unroll import (
     batch_size_of,
     bound_parameters,
     cast_batch,
-    math_attention,
     per_sample_losses,
     window_loss,
 )
-from dattri_llm.attribution.algorithm.vjp import batched_vjp, looped_vjp
+from dattri_llm.attribution.algorithm.vjp import batched_vjp, looped_vjp, math_attention
 from dattri_llm.gradient.state.snapshots import TrajectorySnapshots
 from dattri_llm.utils.atomic import atomic_torch_save
 

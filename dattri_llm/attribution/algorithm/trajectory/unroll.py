@@ -31,14 +31,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
     "ADAM_TYPES",
     "GroupValues",
     "adam_update",
     "bound_parameters",
-    "math_attention",
     "cast_batch",
     "per_sample_losses",
     "sample_slices",
@@ -93,12 +91,6 @@ class GroupValues:
 
 
 # ---------------------------------------------------------------------------- the model
-def math_attention() -> contextlib.AbstractContextManager[None]:
-    """Scaled-dot-product attention on its math kernel inside the block: the fused (flash,
-    memory-efficient) kernels have no double backward, which the reverse sweep takes."""
-    return sdpa_kernel([SDPBackend.MATH])
-
-
 @contextlib.contextmanager
 def bound_parameters(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Inside the block, ``model``'s parameters named in ``tensors`` are those tensors.
